@@ -1,0 +1,39 @@
+//! The artifact directory: `plan.bin`, `manifest.json`, and the tokenizer / chat template files
+//! copied from the checkpoint.
+
+use crate::error::CompileError;
+use kiln_runtime::plan::{summary::summarize, write_plan, Plan};
+use std::path::Path;
+
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+/// Files copied verbatim from the checkpoint when present (the runtime's tokenizer and template).
+pub const COPIED_FILES: [&str; 5] =
+    ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json", "generation_config.json"];
+
+/// Writes the artifact. `checkpoint_dir` is recorded in the manifest so `--weights` may be
+/// omitted while that directory exists.
+pub fn write_artifact(out: &Path, plan: &Plan, checkpoint_dir: &Path) -> Result<Vec<String>, CompileError> {
+    std::fs::create_dir_all(out).map_err(CompileError::io(out))?;
+    write_plan(out, plan).map_err(|e| CompileError::Io { path: out.join("plan.bin"), source: std::io::Error::other(e.to_string()) })?;
+    let mut copied = Vec::new();
+    for name in COPIED_FILES {
+        let src = checkpoint_dir.join(name);
+        if src.is_file() {
+            std::fs::copy(&src, out.join(name)).map_err(CompileError::io(&src))?;
+            copied.push(name.to_string());
+        }
+    }
+    let checkpoint = std::fs::canonicalize(checkpoint_dir).unwrap_or_else(|_| checkpoint_dir.to_path_buf());
+    let manifest = serde_json::json!({
+        "checkpoint_dir": checkpoint.display().to_string(),
+        "copied_files": copied,
+        "summary": summarize(plan),
+        "model": plan.model,
+        "target": plan.target,
+    });
+    let path = out.join(MANIFEST_FILE);
+    let text = serde_json::to_string_pretty(&manifest).expect("manifest serialises") + "\n";
+    std::fs::write(&path, text).map_err(CompileError::io(&path))?;
+    Ok(copied)
+}

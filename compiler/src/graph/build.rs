@@ -1,0 +1,363 @@
+//! Builds the logical (unsharded) forward graph of `glm_moe_dsa` from the checkpoint, checking
+//! every tensor it binds.
+
+use super::{Binder, Graph, GraphInputs, GraphWeight, ShardRole, Value};
+use crate::checkpoint::Checkpoint;
+use crate::error::CompileError;
+use kiln_runtime::plan::{
+    AttentionForm, BufId, DType, Dim, Epilogue, KernelFamily, LinearPart, LinearWeights, ModelConfig, Op, RouterParams,
+    Step, WeightId, WeightKind,
+};
+use std::collections::BTreeMap;
+
+struct Builder<'a> {
+    bind: Binder<'a>,
+    cfg: &'a ModelConfig,
+    values: Vec<Value>,
+    weights: Vec<GraphWeight>,
+    steps: Vec<Step>,
+}
+
+const T: Dim = Dim::Tokens;
+
+impl<'a> Builder<'a> {
+    fn value(&mut self, name: impl Into<String>, dtype: DType, dims: Vec<Dim>) -> BufId {
+        self.values.push(Value { name: name.into(), dtype, dims });
+        BufId(self.values.len() as u32 - 1)
+    }
+
+    fn tokens(&mut self, name: impl Into<String>, dtype: DType, features: usize) -> BufId {
+        self.value(name, dtype, vec![T, Dim::Fixed(features)])
+    }
+
+    fn push(&mut self, op: Op, kernel: KernelFamily) {
+        self.steps.push(Step { op, kernel });
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn weight(
+        &mut self,
+        name: String,
+        kind: WeightKind,
+        dtype: DType,
+        pieces: Vec<u32>,
+        piece_shape: Vec<usize>,
+        experts: Option<usize>,
+        role: ShardRole,
+    ) -> WeightId {
+        self.weights.push(GraphWeight { name, kind, dtype, pieces, piece_shape, experts, role });
+        WeightId(self.weights.len() as u32 - 1)
+    }
+
+    /// A single checkpoint tensor as a weight.
+    fn param(&mut self, tensor: &str, dtype: DType, shape: &[usize], kind: WeightKind, role: ShardRole, why: &str) -> Result<WeightId, CompileError> {
+        let id = self.bind.expect(tensor, dtype, shape, why)?;
+        Ok(self.weight(logical(tensor), kind, dtype, vec![id], shape.to_vec(), None, role))
+    }
+
+    /// The weights of a linear made of `modules` (parts concatenated along the output rows; for
+    /// expert stacks, `modules` is expert-major), each `[n, k]`. NVFP4 or BF16 per the quant config.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_weights(
+        &mut self,
+        name: &str,
+        modules: &[String],
+        n: usize,
+        k: usize,
+        kind: WeightKind,
+        role: ShardRole,
+        experts: Option<usize>,
+    ) -> Result<LinearWeights, CompileError> {
+        let quant = &self.bind.ckpt.quant;
+        let nvfp4 = quant.is_nvfp4(&modules[0]);
+        if let Some(other) = modules.iter().find(|m| quant.is_nvfp4(m) != nvfp4) {
+            return Err(CompileError::Config {
+                path: self.bind.ckpt.config_path.clone(),
+                field: "quantization exclude list".into(),
+                message: format!("`{}` and `{other}` are computed together but only one of them is excluded from NVFP4", modules[0]),
+            });
+        }
+        let scalar_role = match role {
+            ShardRole::Experts { .. } => ShardRole::Experts { tp_dim: None },
+            _ => ShardRole::Replicated,
+        };
+        let group = |b: &mut Self, suffix: &str, dtype: DType, shape: Vec<usize>, role: ShardRole| -> Result<WeightId, CompileError> {
+            let pieces = modules
+                .iter()
+                .map(|m| b.bind.expect(&format!("{m}.{suffix}"), dtype, &shape, &format!("linear `{m}`")))
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(b.weight(format!("{name}.{suffix}"), kind, dtype, pieces, shape, experts, role))
+        };
+        if nvfp4 {
+            if k % 16 != 0 {
+                return Err(CompileError::Config {
+                    path: self.bind.ckpt.config_path.clone(),
+                    field: "quantization".into(),
+                    message: format!("`{}` is NVFP4 but its input size {k} is not a multiple of the 16-element block", modules[0]),
+                });
+            }
+            Ok(LinearWeights::Nvfp4 {
+                weight: group(self, "weight", DType::U8, vec![n, k / 2], role)?,
+                scale: group(self, "weight_scale", DType::F8E4M3, vec![n, k / 16], role)?,
+                scale_2: group(self, "weight_scale_2", DType::F32, vec![], scalar_role)?,
+                input_scale: group(self, "input_scale", DType::F32, vec![], scalar_role)?,
+            })
+        } else {
+            Ok(LinearWeights::Bf16 { weight: group(self, "weight", DType::BF16, vec![n, k], role)? })
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn linear(
+        &mut self,
+        input: BufId,
+        modules: &[String],
+        n: usize,
+        k: usize,
+        kind: WeightKind,
+        role: ShardRole,
+        epilogue: Epilogue,
+        out: BufId,
+    ) -> Result<(), CompileError> {
+        let name = logical(&modules[0]);
+        let weights = self.linear_weights(&name, modules, n, k, kind, role, None)?;
+        let kernel = match weights {
+            LinearWeights::Bf16 { .. } => KernelFamily::LinearBf16,
+            LinearWeights::Nvfp4 { .. } => KernelFamily::LinearNvfp4,
+        };
+        let parts = vec![LinearPart { rows: n }; modules.len()];
+        self.push(Op::Linear { input, weights, parts, k, epilogue, out }, kernel);
+        Ok(())
+    }
+
+    fn norm(&mut self, tensor: &str, dim: usize) -> Result<WeightId, CompileError> {
+        self.param(tensor, DType::BF16, &[dim], WeightKind::Norm, ShardRole::Replicated, "RMSNorm")
+    }
+
+    fn attention(&mut self, l: usize, x: BufId, inputs: &GraphInputs) -> Result<BufId, CompileError> {
+        let c = self.cfg;
+        let p = format!("model.layers.{l}.self_attn");
+        let h = c.hidden_size;
+        let qk = c.qk_head_dim();
+        let kind = WeightKind::Attention;
+        let _ = inputs;
+
+        let qa = self.tokens(format!("l{l}.q_a"), DType::BF16, c.q_lora_rank);
+        self.linear(x, &[format!("{p}.q_a_proj")], c.q_lora_rank, h, kind, ShardRole::Replicated, Epilogue::None, qa)?;
+        let q_norm = self.param(&format!("{p}.q_a_layernorm.weight"), DType::BF16, &[c.q_lora_rank], WeightKind::Norm, ShardRole::Replicated, "q_a_layernorm")?;
+        let q_resid = self.tokens(format!("l{l}.q_resid"), DType::BF16, c.q_lora_rank);
+        self.push(Op::RmsNorm { input: qa, residual: None, weight: q_norm, eps: c.latent_norm_eps, out: q_resid }, KernelFamily::RmsNorm);
+        let q = self.tokens(format!("l{l}.q"), DType::BF16, c.num_attention_heads * qk);
+        self.linear(q_resid, &[format!("{p}.q_b_proj")], c.num_attention_heads * qk, c.q_lora_rank, kind, ShardRole::Rows, Epilogue::None, q)?;
+
+        let kv_rows = c.kv_lora_rank + c.qk_rope_head_dim;
+        let kv = self.tokens(format!("l{l}.kv_a"), DType::BF16, kv_rows);
+        self.linear(x, &[format!("{p}.kv_a_proj_with_mqa")], kv_rows, h, kind, ShardRole::Replicated, Epilogue::None, kv)?;
+        let kv_norm = self.param(&format!("{p}.kv_a_layernorm.weight"), DType::BF16, &[c.kv_lora_rank], WeightKind::Norm, ShardRole::Replicated, "kv_a_layernorm")?;
+        self.push(Op::MlaKvWrite { kv, norm: kv_norm, eps: c.latent_norm_eps, layer: l }, KernelFamily::MlaKvWrite);
+
+        // DSA indexer (replicated on every rank: splitting its heads would need an all-reduce of
+        // the [tokens x context] score matrix before top-k).
+        let ip = format!("{p}.indexer");
+        let ikind = WeightKind::Indexer;
+        let iq = self.tokens(format!("l{l}.index_q"), DType::BF16, c.index_n_heads * c.index_head_dim);
+        self.linear(q_resid, &[format!("{ip}.wq_b")], c.index_n_heads * c.index_head_dim, c.q_lora_rank, ikind, ShardRole::Replicated, Epilogue::None, iq)?;
+        let ik = self.tokens(format!("l{l}.index_k"), DType::BF16, c.index_head_dim);
+        self.linear(x, &[format!("{ip}.wk")], c.index_head_dim, h, ikind, ShardRole::Replicated, Epilogue::None, ik)?;
+        let k_norm = self.param(&format!("{ip}.k_norm.weight"), DType::BF16, &[c.index_head_dim], ikind, ShardRole::Replicated, "indexer k_norm")?;
+        let k_bias = self.param(&format!("{ip}.k_norm.bias"), DType::BF16, &[c.index_head_dim], ikind, ShardRole::Replicated, "indexer k_norm")?;
+        self.push(Op::IndexerKeyWrite { k: ik, norm: k_norm, bias: k_bias, eps: c.index_norm_eps, layer: l }, KernelFamily::IndexerKeyWrite);
+        let iw = self.tokens(format!("l{l}.index_w"), DType::F32, c.index_n_heads);
+        let wp = format!("{ip}.weights_proj");
+        if self.bind.ckpt.quant.is_nvfp4(&wp) {
+            return Err(CompileError::Config {
+                path: self.bind.ckpt.config_path.clone(),
+                field: "quantization exclude list".into(),
+                message: format!("`{wp}` must stay unquantised (BF16); add it to the exclude list"),
+            });
+        }
+        self.linear(x, &[wp], c.index_n_heads, h, ikind, ShardRole::Replicated, Epilogue::None, iw)?;
+        let topk = self.tokens(format!("l{l}.topk"), DType::I32, c.index_topk);
+        self.push(Op::IndexerTopK { q: iq, head_weights: iw, layer: l, topk: c.index_topk, out: topk }, KernelFamily::IndexerTopK);
+
+        let kvb = format!("{p}.kv_b_proj");
+        if self.bind.ckpt.quant.is_nvfp4(&kvb) {
+            return Err(CompileError::Config {
+                path: self.bind.ckpt.config_path.clone(),
+                field: "quantization exclude list".into(),
+                message: format!("`{kvb}` must be BF16: attention absorbs it into q and the output"),
+            });
+        }
+        let kv_b_rows = c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim);
+        let kv_b = self.param(&format!("{kvb}.weight"), DType::BF16, &[kv_b_rows, c.kv_lora_rank], kind, ShardRole::Rows, "MLA kv_b_proj")?;
+        let att = self.tokens(format!("l{l}.attn"), DType::BF16, c.num_attention_heads * c.v_head_dim);
+        self.push(
+            Op::MlaAttention {
+                q,
+                kv_b,
+                topk: Some(topk),
+                layer: l,
+                heads: c.num_attention_heads,
+                scale: c.attention_scale(),
+                form: AttentionForm::Expanded,
+                out: att,
+            },
+            KernelFamily::MlaAttention,
+        );
+        let o = self.tokens(format!("l{l}.attn_out"), DType::BF16, h);
+        self.linear(att, &[format!("{p}.o_proj")], h, c.num_attention_heads * c.v_head_dim, kind, ShardRole::Cols, Epilogue::None, o)?;
+        Ok(o)
+    }
+
+    /// SwiGLU MLP `down(silu(gate x) * up x)`: column-parallel gate/up, row-parallel down.
+    fn mlp(&mut self, prefix: &str, x: BufId, inter: usize, kind: WeightKind, name: &str) -> Result<BufId, CompileError> {
+        let h = self.cfg.hidden_size;
+        let act = self.tokens(format!("{name}.act"), DType::BF16, inter);
+        let gate_up = [format!("{prefix}.gate_proj"), format!("{prefix}.up_proj")];
+        self.linear(x, &gate_up, inter, h, kind, ShardRole::Rows, Epilogue::SiluMul, act)?;
+        let out = self.tokens(format!("{name}.out"), DType::BF16, h);
+        self.linear(act, &[format!("{prefix}.down_proj")], h, inter, kind, ShardRole::Cols, Epilogue::None, out)?;
+        Ok(out)
+    }
+
+    fn moe(&mut self, l: usize, x: BufId) -> Result<BufId, CompileError> {
+        let c = self.cfg;
+        let p = format!("model.layers.{l}.mlp");
+        let h = c.hidden_size;
+        let e = c.n_routed_experts;
+        let gate = self.param(&format!("{p}.gate.weight"), DType::BF16, &[e, h], WeightKind::Router, ShardRole::Replicated, "MoE router")?;
+        let bias = self.param(&format!("{p}.gate.e_score_correction_bias"), DType::F32, &[e], WeightKind::Router, ShardRole::Replicated, "MoE router selection bias")?;
+        let ids = self.tokens(format!("l{l}.expert_ids"), DType::I32, c.num_experts_per_tok);
+        let weights = self.tokens(format!("l{l}.expert_weights"), DType::F32, c.num_experts_per_tok);
+        let params = RouterParams {
+            experts: e,
+            top_k: c.num_experts_per_tok,
+            n_group: c.n_group,
+            topk_group: c.topk_group,
+            norm_topk_prob: c.norm_topk_prob,
+            scaling: c.routed_scaling_factor,
+        };
+        self.push(Op::Router { input: x, gate, bias, params, ids, weights }, KernelFamily::Router);
+
+        let inter = c.moe_intermediate_size;
+        let gate_up: Vec<String> = (0..e).flat_map(|j| [format!("{p}.experts.{j}.gate_proj"), format!("{p}.experts.{j}.up_proj")]).collect();
+        let down: Vec<String> = (0..e).map(|j| format!("{p}.experts.{j}.down_proj")).collect();
+        let kind = WeightKind::RoutedExperts;
+        let name = format!("layers.{l}.mlp.experts");
+        let gu = self.linear_weights(&format!("{name}.gate_up"), &gate_up, inter, h, kind, ShardRole::Experts { tp_dim: Some(0) }, Some(e))?;
+        let dn = self.linear_weights(&format!("{name}.down"), &down, h, inter, kind, ShardRole::Experts { tp_dim: Some(1) }, Some(e))?;
+        let kernel = match gu {
+            LinearWeights::Nvfp4 { .. } => KernelFamily::MoeNvfp4,
+            LinearWeights::Bf16 { .. } => KernelFamily::MoeBf16,
+        };
+        let routed = self.tokens(format!("l{l}.routed"), DType::BF16, h);
+        self.push(
+            Op::MoeExperts {
+                input: x,
+                ids,
+                weights,
+                gate_up: gu,
+                down: dn,
+                experts_local: e,
+                expert_parallel: false,
+                intermediate: inter,
+                hidden: h,
+                out: routed,
+            },
+            kernel,
+        );
+        if c.n_shared_experts == 0 {
+            return Ok(routed);
+        }
+        let shared = self.mlp(&format!("{p}.shared_experts"), x, inter * c.n_shared_experts, WeightKind::SharedExperts, &format!("l{l}.shared"))?;
+        let out = self.tokens(format!("l{l}.moe_out"), DType::BF16, h);
+        self.push(Op::Add { a: routed, b: shared, out }, KernelFamily::Add);
+        Ok(out)
+    }
+}
+
+/// `model.layers.3.mlp.gate.weight` -> `layers.3.mlp.gate.weight` (slot names in reports).
+fn logical(tensor: &str) -> String {
+    tensor.strip_prefix("model.").unwrap_or(tensor).to_string()
+}
+
+pub fn build_graph(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Graph, CompileError> {
+    let mut b = Builder { bind: Binder::new(ckpt), cfg, values: Vec::new(), weights: Vec::new(), steps: Vec::new() };
+    let h = cfg.hidden_size;
+    let v = cfg.vocab_size;
+    let i32_tokens = |b: &mut Builder, name: &str| b.value(name, DType::I32, vec![T]);
+    let ids = i32_tokens(&mut b, "in.ids");
+    let positions = i32_tokens(&mut b, "in.positions");
+    let token_seq = i32_tokens(&mut b, "in.token_seq");
+    let slots = i32_tokens(&mut b, "in.slots");
+    let page_table = b.value("in.page_table", DType::I32, vec![Dim::Seqs, Dim::PagesPerSeq]);
+    let logit_rows = b.value("in.logit_rows", DType::I32, vec![Dim::LogitRows]);
+    let inputs = GraphInputs {
+        ids: ids.0,
+        positions: positions.0,
+        token_seq: token_seq.0,
+        slots: slots.0,
+        page_table: page_table.0,
+        logit_rows: logit_rows.0,
+    };
+
+    let embed_name = "model.embed_tokens.weight";
+    let table = b.param(embed_name, DType::BF16, &[v, h], WeightKind::Embedding, ShardRole::Rows, "token embedding")?;
+    let resid = b.tokens("residual", DType::BF16, h);
+    b.push(Op::Embed { ids, table, vocab_rows: v, out: resid }, KernelFamily::Embed);
+
+    // `pending` is the sub-layer output still to be added into the residual stream.
+    let mut pending: Option<BufId> = None;
+    for l in 0..cfg.num_hidden_layers {
+        let lp = format!("model.layers.{l}");
+        let w = b.norm(&format!("{lp}.input_layernorm.weight"), h)?;
+        let x = b.tokens(format!("l{l}.attn_in"), DType::BF16, h);
+        b.push(Op::RmsNorm { input: pending.unwrap_or(resid), residual: pending.map(|_| resid), weight: w, eps: cfg.rms_norm_eps, out: x }, KernelFamily::RmsNorm);
+        let a = b.attention(l, x, &inputs)?;
+        let w = b.norm(&format!("{lp}.post_attention_layernorm.weight"), h)?;
+        let x2 = b.tokens(format!("l{l}.mlp_in"), DType::BF16, h);
+        b.push(Op::RmsNorm { input: a, residual: Some(resid), weight: w, eps: cfg.rms_norm_eps, out: x2 }, KernelFamily::RmsNorm);
+        let m = if cfg.is_moe_layer(l) {
+            b.moe(l, x2)?
+        } else {
+            b.mlp(&format!("{lp}.mlp"), x2, cfg.intermediate_size, WeightKind::DenseMlp, &format!("l{l}.mlp"))?
+        };
+        pending = Some(m);
+    }
+    let w = b.norm("model.norm.weight", h)?;
+    let final_x = b.tokens("final_norm", DType::BF16, h);
+    b.push(Op::RmsNorm { input: pending.unwrap_or(resid), residual: pending.map(|_| resid), weight: w, eps: cfg.rms_norm_eps, out: final_x }, KernelFamily::RmsNorm);
+    let rows = b.value("logit_hidden", DType::BF16, vec![Dim::LogitRows, Dim::Fixed(h)]);
+    b.push(Op::GatherRows { input: final_x, rows: logit_rows, out: rows }, KernelFamily::GatherRows);
+    let logits = b.value("logits", DType::F32, vec![Dim::LogitRows, Dim::Fixed(v)]);
+    let head = if cfg.tie_word_embeddings { "model.embed_tokens".to_string() } else { "lm_head".to_string() };
+    let head_weights = b.linear_weights("lm_head", std::slice::from_ref(&head), v, h, WeightKind::LmHead, ShardRole::Rows, None)?;
+    let kernel = match head_weights {
+        LinearWeights::Bf16 { .. } => KernelFamily::LinearBf16,
+        LinearWeights::Nvfp4 { .. } => KernelFamily::LinearNvfp4,
+    };
+    b.push(Op::Linear { input: rows, weights: head_weights, parts: vec![LinearPart { rows: v }], k: h, epilogue: Epilogue::None, out: logits }, kernel);
+
+    let ignored = summarise_unbound(ckpt, &b.bind, cfg);
+    Ok(Graph { values: b.values, weights: b.weights, steps: b.steps, tensors: b.bind.tensors, inputs, logits: logits.0, ignored })
+}
+
+/// Checkpoint tensors the graph does not bind: MTP layers summarised per layer, others by name.
+fn summarise_unbound(ckpt: &Checkpoint, bind: &Binder, cfg: &ModelConfig) -> Vec<String> {
+    let bound: std::collections::HashSet<&str> = bind.tensors.iter().map(|t| t.name.as_str()).collect();
+    let mut mtp: BTreeMap<usize, usize> = BTreeMap::new();
+    let mut other = Vec::new();
+    for name in ckpt.tensors.keys().filter(|n| !bound.contains(n.as_str())) {
+        let layer = name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|l| l.parse::<usize>().ok());
+        match layer {
+            Some(l) if l >= cfg.num_hidden_layers => *mtp.entry(l).or_default() += 1,
+            _ => other.push(name.clone()),
+        }
+    }
+    let mut out: Vec<String> = mtp
+        .into_iter()
+        .map(|(l, n)| format!("model.layers.{l}.* ({n} tensors): MTP/NextN layer, not used by the main model"))
+        .collect();
+    out.extend(other.into_iter().map(|n| format!("{n}: not used by glm_moe_dsa")));
+    out
+}

@@ -1,0 +1,156 @@
+#![recursion_limit = "256"]
+//! kiln-compiler: a Hugging Face `glm_moe_dsa` checkpoint -> a static execution plan.
+//!
+//! `compile()` reads the checkpoint headers, builds the model graph, then runs named passes, each
+//! followed by its verifier: shard (tensor parallelism) -> specialize (one program per shape
+//! bucket) -> memory (arena offsets, KV pages, proof that it fits).
+
+pub mod artifact;
+pub mod checkpoint;
+pub mod error;
+pub mod graph;
+pub mod passes;
+pub mod synth;
+
+pub mod targets;
+
+pub use error::CompileError;
+
+use checkpoint::Checkpoint;
+use kiln_runtime::plan::{MoeParallel, Parallelism, Plan, FORMAT_VERSION};
+use passes::{memory, shard, specialize, verify};
+use sha2::{Digest, Sha256};
+
+#[derive(Debug, Clone)]
+pub struct CompileOptions {
+    pub target: String,
+    pub tp: usize,
+    pub moe: MoeParallel,
+    /// Per-GPU memory to plan for (default: the target's).
+    pub gpu_memory: Option<u64>,
+    pub headroom: Option<u64>,
+    /// Largest prefill chunk; smaller buckets are derived from it (/4 each, down to 16).
+    pub prefill_chunk: usize,
+    pub decode_batches: Vec<usize>,
+    /// Longest sequence to serve (default: max_position_embeddings).
+    pub max_context: Option<usize>,
+}
+
+impl Default for CompileOptions {
+    fn default() -> Self {
+        CompileOptions {
+            target: "sm_120a".into(),
+            tp: 1,
+            moe: MoeParallel::Tp,
+            gpu_memory: None,
+            headroom: None,
+            prefill_chunk: 8192,
+            decode_batches: vec![1, 2, 4, 8, 16, 32, 64],
+            max_context: None,
+        }
+    }
+}
+
+pub struct Compiled {
+    pub plan: Plan,
+    pub warnings: Vec<String>,
+}
+
+/// Prefill buckets: the chunk, then /4 steps down to 16 tokens, ascending.
+pub fn prefill_buckets(chunk: usize) -> Vec<usize> {
+    let mut out = vec![chunk];
+    let mut c = chunk;
+    while c / 4 >= 16 {
+        c /= 4;
+        out.push(c);
+    }
+    out.reverse();
+    out
+}
+
+pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Compiled, CompileError> {
+    let mut target = targets::target(&opts.target)?;
+    if let Some(m) = opts.gpu_memory {
+        target.gpu_memory = m;
+    }
+    let option = |option: &str, message: String| CompileError::Option { option: option.into(), message };
+    if !matches!(opts.tp, 1 | 2 | 4 | 8) {
+        return Err(option("--tp", format!("{}; kiln shards over 1, 2, 4 or 8 GPUs", opts.tp)));
+    }
+    if opts.decode_batches.is_empty() || opts.decode_batches.contains(&0) {
+        return Err(option("--decode-batches", "needs one or more positive batch sizes".into()));
+    }
+    if opts.prefill_chunk == 0 {
+        return Err(option("--prefill-chunk", "must be positive".into()));
+    }
+
+    let ckpt = Checkpoint::open(ckpt_dir)?;
+    let (cfg, warnings) = checkpoint::parse_model_config(&ckpt)?;
+    let max_context = opts.max_context.unwrap_or(cfg.max_position_embeddings);
+    if max_context == 0 || max_context > cfg.max_position_embeddings {
+        return Err(option("--max-context", format!("{max_context}; the model supports 1..={}", cfg.max_position_embeddings)));
+    }
+    for (what, n) in [("attention heads", cfg.num_attention_heads), ("vocab rows", cfg.vocab_size)] {
+        if n % opts.tp != 0 {
+            return Err(CompileError::Shard { what: format!("{what} ({n})"), tp: opts.tp, message: "not divisible".into() });
+        }
+    }
+
+    let graph = graph::build_graph(&ckpt, &cfg)?;
+    let parallel = Parallelism { tp: opts.tp, moe: opts.moe };
+    let sharded = shard::shard(graph, &cfg, &parallel)?;
+    let pages_per_seq = max_context.div_ceil(memory::KV_PAGE_SIZE);
+    let probe = specialize::Bucket { kind: kiln_runtime::plan::ProgramKind::Decode { batch: 1 }, tokens: 1, seqs: 1, logit_rows: 1, pages_per_seq };
+    let mut slots = sharded.slots;
+    verify::program("shard", &specialize::specialize(&sharded.graph, &probe), &slots, &cfg)?;
+
+    let chunk = opts.prefill_chunk.min(max_context);
+    let mut batches = opts.decode_batches.clone();
+    batches.sort_unstable();
+    batches.dedup();
+    let buckets = specialize::buckets(&prefill_buckets(chunk), &batches, cfg.vocab_size, pages_per_seq);
+    let mut programs: Vec<_> = buckets.iter().map(|b| specialize::specialize(&sharded.graph, b)).collect();
+    for p in &programs {
+        verify::program("specialize", p, &slots, &cfg)?;
+    }
+
+    let weights = memory::plan_weights(&mut slots);
+    let workspace = programs.iter_mut().map(memory::plan_workspace).max().unwrap_or(0);
+    let headroom = opts.headroom.unwrap_or_else(|| targets::default_headroom(&target));
+    let kv = memory::KvRequest { page_size: memory::KV_PAGE_SIZE, max_seqs: *batches.last().expect("non-empty"), max_context };
+    let mem = memory::plan_memory(&cfg, &target, headroom, weights, workspace, &kv)?;
+    verify::memory(&slots, &programs, &mem)?;
+
+    let fingerprint = fingerprint(&sharded.graph.tensors);
+    let plan = Plan {
+        format_version: FORMAT_VERSION,
+        compiler: format!("kiln {}", env!("CARGO_PKG_VERSION")),
+        model: cfg,
+        target,
+        parallel,
+        fingerprint,
+        tensors: sharded.graph.tensors,
+        weights: slots,
+        memory: mem,
+        programs,
+        sharding: sharded.choices,
+        ignored: sharded.graph.ignored,
+    };
+    Ok(Compiled { plan, warnings })
+}
+
+/// SHA-256 over (name, dtype, shape) of every bound tensor, in plan order.
+pub fn fingerprint(tensors: &[kiln_runtime::plan::TensorInfo]) -> String {
+    let mut h = Sha256::new();
+    for t in tensors {
+        h.update(t.name.as_bytes());
+        h.update([0]);
+        h.update(t.dtype.safetensors_name().as_bytes());
+        h.update([0]);
+        for d in &t.shape {
+            h.update((*d as u64).to_le_bytes());
+        }
+        h.update([0xff]);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}

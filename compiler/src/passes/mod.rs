@@ -1,0 +1,6 @@
+//! Compiler passes, run in order by [`crate::compile`]; each is followed by its verifier.
+
+pub mod memory;
+pub mod shard;
+pub mod specialize;
+pub mod verify;

@@ -1,0 +1,257 @@
+//! Tensor-parallel sharding: cuts every weight for `--tp` ranks, rewrites the ops to per-rank
+//! sizes, and inserts the collectives the cuts require (all-reduce before the first consumer of a
+//! partial sum, all-gather of vocab-split logits). Records each decision and why.
+
+use crate::error::{human_bytes, CompileError};
+use crate::graph::{Graph, GraphWeight, ShardRole};
+use kiln_runtime::plan::{
+    BufId, Dim, KernelFamily, LinearWeights, ModelConfig, MoeParallel, Op, Parallelism, Shard, ShardChoice, Step,
+    TensorChoice, Transform, WeightKind, WeightSlot, WeightSource,
+};
+
+/// The graph with per-rank ops and values, plus the per-rank weight slots (offsets unassigned).
+pub struct Sharded {
+    pub graph: Graph,
+    pub slots: Vec<WeightSlot>,
+    pub choices: Vec<ShardChoice>,
+}
+
+pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism) -> Result<Sharded, CompileError> {
+    let tp = par.tp;
+    let slots = graph.weights.iter().map(|w| slot_for(w, par)).collect::<Result<Vec<_>, _>>()?;
+    let choices = choices(cfg, par, &graph, &slots);
+    if tp == 1 {
+        return Ok(Sharded { graph, slots, choices });
+    }
+    let weights = graph.weights.clone();
+    let role_of = |lw: &LinearWeights| weights[lw.ids()[0].0 as usize].role;
+    let mut partial = vec![false; graph.values.len()];
+    let mut steps = Vec::with_capacity(graph.steps.len() * 2);
+    for mut step in std::mem::take(&mut graph.steps) {
+        // Complete every partial sum this op needs whole (Add is linear: it keeps partials).
+        if !matches!(step.op, Op::Add { .. }) {
+            for v in step.op.reads() {
+                if partial[v.0 as usize] {
+                    steps.push(Step { op: Op::AllReduce { buf: v }, kernel: KernelFamily::Collective });
+                    partial[v.0 as usize] = false;
+                }
+            }
+        }
+        let mut out_partial = false;
+        match &mut step.op {
+            Op::Embed { vocab_rows, .. } => {
+                *vocab_rows /= tp;
+                out_partial = true;
+            }
+            Op::Linear { weights, parts, k, out, .. } => match role_of(weights) {
+                ShardRole::Rows => {
+                    parts.iter_mut().for_each(|p| p.rows /= tp);
+                    divide_last(&mut graph.values[out.0 as usize].dims, tp);
+                }
+                ShardRole::Cols => {
+                    *k /= tp;
+                    out_partial = true;
+                }
+                _ => {}
+            },
+            Op::MlaAttention { heads, out, .. } => {
+                *heads /= tp;
+                divide_last(&mut graph.values[out.0 as usize].dims, tp);
+            }
+            Op::MoeExperts { experts_local, expert_parallel, intermediate, .. } => {
+                match par.moe {
+                    MoeParallel::Tp => *intermediate /= tp,
+                    MoeParallel::Ep => {
+                        *experts_local /= tp;
+                        *expert_parallel = true;
+                    }
+                }
+                out_partial = true;
+            }
+            Op::Add { a, b, .. } => {
+                let (pa, pb) = (partial[a.0 as usize], partial[b.0 as usize]);
+                if pa != pb {
+                    // Mixing a partial and a complete value would count the complete one tp times.
+                    let v = if pa { *a } else { *b };
+                    steps.push(Step { op: Op::AllReduce { buf: v }, kernel: KernelFamily::Collective });
+                    partial[v.0 as usize] = false;
+                }
+                out_partial = pa && pb;
+            }
+            _ => {}
+        }
+        for w in step.op.writes() {
+            partial[w.0 as usize] = out_partial;
+        }
+        steps.push(step);
+    }
+    // The lm_head output is vocab-split: gather the columns of every rank.
+    // (The Rows branch above already cut its width to vocab / tp.)
+    let split = graph.logits;
+    graph.values[split as usize].name = "logits_local".into();
+    let mut gathered = graph.values[split as usize].clone();
+    gathered.name = "logits".into();
+    if let Some(Dim::Fixed(n)) = gathered.dims.last_mut() {
+        *n *= tp;
+    }
+    graph.values.push(gathered);
+    let out = graph.values.len() as u32 - 1;
+    steps.push(Step { op: Op::AllGather { input: BufId(split), out: BufId(out) }, kernel: KernelFamily::Collective });
+    graph.logits = out;
+    graph.steps = steps;
+    Ok(Sharded { graph, slots, choices })
+}
+
+fn divide_last(dims: &mut [Dim], tp: usize) {
+    if let Some(Dim::Fixed(n)) = dims.last_mut() {
+        *n /= tp;
+    }
+}
+
+/// `n` pieces of `shape` concatenated along dim 0 (scalars stack into a vector).
+fn concat0(n: usize, shape: &[usize]) -> Vec<usize> {
+    match shape.split_first() {
+        None => vec![n],
+        Some((first, rest)) => std::iter::once(n * first).chain(rest.iter().copied()).collect(),
+    }
+}
+
+fn slot_for(w: &GraphWeight, par: &Parallelism) -> Result<WeightSlot, CompileError> {
+    let tp = par.tp;
+    let ep = par.moe == MoeParallel::Ep;
+    let split_dim = match w.role {
+        ShardRole::Replicated => None,
+        ShardRole::Rows => Some(0u8),
+        ShardRole::Cols => Some(1),
+        ShardRole::Experts { tp_dim } => if ep { None } else { tp_dim },
+    };
+    let mut piece = w.piece_shape.clone();
+    if let (Some(d), true) = (split_dim, tp > 1) {
+        let d = d as usize;
+        if piece[d] % tp != 0 {
+            let nvfp4 = if w.dtype.size() == 1 { " (NVFP4: each rank's input size must stay a multiple of 16)" } else { "" };
+            return Err(CompileError::Shard {
+                what: format!("`{}` ({} {:?})", w.name, w.dtype, w.piece_shape),
+                tp,
+                message: format!("dimension {d} of size {} is not divisible by {tp}{nvfp4}", piece[d]),
+            });
+        }
+        piece[d] /= tp;
+    }
+    let shard = match (split_dim, tp > 1) {
+        (Some(d), true) => Shard::Split { dim: d, parts: tp as u32 },
+        _ => Shard::Whole,
+    };
+    let piece_bytes = piece.iter().product::<usize>() as u64 * w.dtype.size() as u64;
+    let (shape, sources) = match w.experts {
+        Some(experts) => {
+            let per_expert = w.pieces.len() / experts;
+            let local = if ep && tp > 1 {
+                if experts % tp != 0 {
+                    return Err(CompileError::Shard {
+                        what: format!("`{}`", w.name),
+                        tp,
+                        message: format!("--moe-parallel ep needs n_routed_experts ({experts}) divisible by the rank count"),
+                    });
+                }
+                experts / tp
+            } else {
+                experts
+            };
+            let n_local = local * per_expert;
+            let sources = (0..n_local)
+                .map(|i| WeightSource {
+                    tensor: if ep && tp > 1 {
+                        TensorChoice::PerRank((0..tp).map(|r| w.pieces[r * n_local + i]).collect())
+                    } else {
+                        TensorChoice::Same(w.pieces[i])
+                    },
+                    shard,
+                    dst_offset: i as u64 * piece_bytes,
+                    transform: Transform::Identity,
+                })
+                .collect();
+            (std::iter::once(local).chain(concat0(per_expert, &piece)).collect(), sources)
+        }
+        None => {
+            let sources = w
+                .pieces
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| WeightSource { tensor: TensorChoice::Same(t), shard, dst_offset: i as u64 * piece_bytes, transform: Transform::Identity })
+                .collect();
+            (concat0(w.pieces.len(), &piece), sources)
+        }
+    };
+    let bytes = shape.iter().product::<usize>() as u64 * w.dtype.size() as u64;
+    Ok(WeightSlot { name: w.name.clone(), kind: w.kind, dtype: w.dtype, shape, offset: 0, bytes, sources })
+}
+
+/// The sharding decisions, with the numbers behind them.
+fn choices(cfg: &ModelConfig, par: &Parallelism, graph: &Graph, slots: &[WeightSlot]) -> Vec<ShardChoice> {
+    let tp = par.tp;
+    let kind_bytes = |pred: &dyn Fn(&GraphWeight) -> bool| -> u64 {
+        graph.weights.iter().zip(slots).filter(|(w, _)| pred(w)).map(|(_, s)| s.bytes).sum()
+    };
+    let replicated_attn = kind_bytes(&|w| w.kind == WeightKind::Attention && w.role == ShardRole::Replicated);
+    let indexer = kind_bytes(&|w| w.kind == WeightKind::Indexer);
+    let router = kind_bytes(&|w| w.kind == WeightKind::Router);
+    let c = |what: &str, how: String, why: String| ShardChoice { what: what.into(), how, why };
+    let mut out = vec![
+        c(
+            "attention heads: q_b_proj, kv_b_proj (rows), o_proj (columns)",
+            format!("{} heads split {} per rank; o_proj row-parallel, all-reduce after it", cfg.num_attention_heads, cfg.num_attention_heads / tp),
+            "heads are independent, so attention needs no communication inside it".into(),
+        ),
+        c(
+            "q_a_proj, kv_a_proj_with_mqa and their layernorms",
+            format!("replicated ({} per rank in all)", human_bytes(replicated_attn)),
+            "their outputs (q_resid, the MLA latent) feed every head and the indexer; splitting them would add two all-gathers per layer".into(),
+        ),
+        c(
+            "DSA indexer: wq_b, wk, k_norm, weights_proj",
+            format!("replicated ({} per rank)", human_bytes(indexer)),
+            "top-k needs the score summed over all indexer heads: split heads would need an all-reduce of the [tokens x context] score matrix every layer".into(),
+        ),
+        c(
+            "MoE router: gate, e_score_correction_bias",
+            format!("replicated ({} per rank)", human_bytes(router)),
+            "every rank must make the same expert choice; the router is small and computed in fp32".into(),
+        ),
+        match par.moe {
+            MoeParallel::Tp => c(
+                "routed experts",
+                format!(
+                    "tensor-parallel: each expert's intermediate {} split {} per rank (gate/up rows, down columns); partial sums all-reduced with the shared expert",
+                    cfg.moe_intermediate_size,
+                    cfg.moe_intermediate_size / tp
+                ),
+                "every rank does the same work for every token (no load imbalance, no token dispatch); --moe-parallel ep is the alternative".into(),
+            ),
+            MoeParallel::Ep => c(
+                "routed experts",
+                format!("expert-parallel: {} whole experts per rank; partial sums all-reduced", cfg.n_routed_experts / tp),
+                "larger per-expert GEMMs; load depends on routing balance".into(),
+            ),
+        },
+        c(
+            "dense MLP and shared experts",
+            "gate/up column-parallel, down row-parallel; one all-reduce per block".into(),
+            "the standard Megatron split: the SwiGLU needs no communication".into(),
+        ),
+        c(
+            "embedding and lm_head",
+            format!("vocab-parallel: {} rows per rank; embedding all-reduced, logits all-gathered", cfg.vocab_size / tp),
+            "together they are 2 x vocab x hidden BF16; replicating them would cost every rank that much".into(),
+        ),
+        c(
+            "KV cache (latent, rope key, indexer key)",
+            "replicated on every rank".into(),
+            "MLA keeps one latent per token shared by all heads, so every rank's heads read the whole cache".into(),
+        ),
+    ];
+    if tp == 1 {
+        out = vec![c("everything", "one rank holds the whole model".into(), "--tp 1".into())];
+    }
+    out
+}

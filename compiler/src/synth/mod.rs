@@ -1,0 +1,50 @@
+//! `kiln synth`: deterministic synthetic checkpoints in the exact Hugging Face / ModelOpt layout.
+//! `tiny`: small random weights with real NVFP4 tensors, a byte-level tokenizer and the GLM-5 chat
+//! template (tests and the demo). `glm5`: the full-size GLM-5-NVFP4 tensor table as header-only
+//! shards whose data regions are sparse holes (compile the real geometry without 440 GB of disk).
+
+mod layout;
+mod rng;
+pub mod tokenizer;
+mod write;
+
+pub use layout::{checkpoint_tensors, SynthSpec, SynthTensor, TensorInit};
+
+use crate::error::CompileError;
+use std::path::Path;
+
+pub const PRESETS: [&str; 2] = ["tiny", "glm5"];
+
+/// The real GLM-5 `config.json` and NVIDIA's NVFP4 quantisation config, shipped under artifacts/.
+pub const GLM5_CONFIG: &str = include_str!("../../../artifacts/GLM-5-NVFP4/config.json");
+pub const GLM5_QUANT_CONFIG: &str = include_str!("../../../artifacts/GLM-5-NVFP4/hf_quant_config.json");
+
+pub struct SynthReport {
+    pub files: usize,
+    pub tensors: usize,
+    /// Logical bytes of tensor data (sparse holes included).
+    pub data_bytes: u64,
+}
+
+pub fn synth(preset: &str, out: &Path, seed: u64) -> Result<SynthReport, CompileError> {
+    std::fs::create_dir_all(out).map_err(CompileError::io(out))?;
+    match preset {
+        "tiny" => {
+            let spec = SynthSpec::tiny();
+            write::write_text(out, "config.json", &spec.config_json())?;
+            write::write_text(out, "hf_quant_config.json", &spec.quant_json())?;
+            tokenizer::write_tokenizer_files(out, &spec)?;
+            write::write_checkpoint(out, &spec, 2, seed, true)
+        }
+        "glm5" => {
+            let spec = SynthSpec::from_config(GLM5_CONFIG, GLM5_QUANT_CONFIG)?;
+            write::write_text(out, "config.json", GLM5_CONFIG)?;
+            write::write_text(out, "hf_quant_config.json", GLM5_QUANT_CONFIG)?;
+            write::write_checkpoint(out, &spec, spec.layers + spec.mtp_layers + 2, seed, false)
+        }
+        other => Err(CompileError::Option {
+            option: "PRESET".into(),
+            message: format!("unknown preset {other:?}; choose one of {}", PRESETS.join(", ")),
+        }),
+    }
+}

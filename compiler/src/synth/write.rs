@@ -1,0 +1,91 @@
+//! Writes synthetic checkpoints: shards, index, and (for `tiny`) deterministic random data.
+
+use super::layout::{checkpoint_tensors, Nvfp4Part, SynthSpec, SynthTensor, TensorInit};
+use super::rng::{tensor_seed, Rng};
+use super::SynthReport;
+use crate::checkpoint::safetensors::{write_file, TensorToWrite};
+use crate::checkpoint::INDEX_FILE;
+use crate::error::CompileError;
+use kiln_runtime::numerics::{f32_to_bf16, quantize_nvfp4};
+use kiln_runtime::plan::DType;
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+pub fn write_text(dir: &Path, name: &str, text: &str) -> Result<(), CompileError> {
+    let path = dir.join(name);
+    std::fs::write(&path, text).map_err(CompileError::io(&path))
+}
+
+/// Splits the tensor groups over `shards` files and writes them plus the index.
+pub fn write_checkpoint(dir: &Path, spec: &SynthSpec, shards: usize, seed: u64, with_data: bool) -> Result<SynthReport, CompileError> {
+    let tensors = checkpoint_tensors(spec);
+    let groups = tensors.iter().map(|t| t.group).max().unwrap_or(0) + 1;
+    let shards = shards.clamp(1, groups);
+    let shard_of = |group: usize| group * shards / groups;
+    let name_of = |i: usize| format!("model-{:05}-of-{shards:05}.safetensors", i + 1);
+    let bar = indicatif::ProgressBar::new(shards as u64).with_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} shards").expect("template").progress_chars("=> "),
+    );
+    bar.set_message(format!("writing {}", dir.display()));
+    let mut quantised: HashMap<String, (Vec<u8>, Vec<u8>, f32)> = HashMap::new();
+    let mut weight_map = BTreeMap::new();
+    let mut total = 0u64;
+    for shard in 0..shards {
+        let members: Vec<&SynthTensor> = tensors.iter().filter(|t| shard_of(t.group) == shard).collect();
+        let data: Vec<Option<Vec<u8>>> = members
+            .iter()
+            .map(|t| with_data.then(|| tensor_bytes(t, seed, spec, &mut quantised)))
+            .collect();
+        let to_write: Vec<TensorToWrite> = members
+            .iter()
+            .zip(&data)
+            .map(|(t, d)| TensorToWrite { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone(), data: d.as_deref() })
+            .collect();
+        let file = name_of(shard);
+        write_file(&dir.join(&file), &to_write)?;
+        for t in &members {
+            total += t.shape.iter().product::<usize>() as u64 * t.dtype.size() as u64;
+            weight_map.insert(t.name.clone(), file.clone());
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+    write_text(dir, INDEX_FILE, &(serde_json::to_string_pretty(&index).expect("json") + "\n"))?;
+    Ok(SynthReport { files: shards, tensors: tensors.len(), data_bytes: total })
+}
+
+fn normal_values(seed: u64, name: &str, count: usize, std: f32) -> Vec<f32> {
+    let mut rng = Rng::new(tensor_seed(seed, name));
+    (0..count).map(|_| rng.normal() as f32 * std).collect()
+}
+
+fn tensor_bytes(t: &SynthTensor, seed: u64, spec: &SynthSpec, quantised: &mut HashMap<String, (Vec<u8>, Vec<u8>, f32)>) -> Vec<u8> {
+    let count: usize = t.shape.iter().product();
+    let encode = |values: Vec<f32>, dtype: DType| -> Vec<u8> {
+        match dtype {
+            DType::BF16 => values.iter().flat_map(|v| f32_to_bf16(*v).to_le_bytes()).collect(),
+            DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            other => unreachable!("synthetic {other} tensor"),
+        }
+    };
+    match &t.init {
+        TensorInit::Normal { std } => encode(normal_values(seed, &t.name, count, *std), t.dtype),
+        TensorInit::Bias { std } => encode(normal_values(seed, &t.name, count, *std), t.dtype),
+        TensorInit::NearOne => {
+            let mut rng = Rng::new(tensor_seed(seed, &t.name));
+            encode((0..count).map(|_| 0.8 + 0.4 * rng.uniform() as f32).collect(), t.dtype)
+        }
+        TensorInit::Nvfp4 { module, n, k, std, part } => {
+            let (packed, scales, scale_2) = quantised
+                .entry(module.clone())
+                .or_insert_with(|| quantize_nvfp4(&normal_values(seed, module, n * k, *std), *n, *k));
+            match part {
+                Nvfp4Part::Weight => packed.clone(),
+                Nvfp4Part::Scale => scales.clone(),
+                Nvfp4Part::Scale2 => scale_2.to_le_bytes().to_vec(),
+                Nvfp4Part::InputScale => spec.input_scale.to_le_bytes().to_vec(),
+            }
+        }
+    }
+}

@@ -1,0 +1,9 @@
+//! kiln-runtime: what the runtime can execute.
+//!
+//! The runtime owns the plan schema (`plan`): the compiler produces it, the backends consume it.
+//! Data flows one way: checkpoint -> compiler -> artifact -> runtime -> engine -> server.
+
+pub mod numerics;
+pub mod plan;
+
+pub use plan::{Plan, PlanError, FORMAT_VERSION};

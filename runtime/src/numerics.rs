@@ -1,0 +1,193 @@
+//! Number formats of the NVFP4 path, bit-exact: BF16, FP8 E4M3 (ue4m3 block scales) and FP4 E2M1,
+//! each with round-to-nearest-even and saturation, as PTX `cvt.rn.satfinite` does.
+
+/// BF16 bits of `x`, rounded to nearest even (NaN stays NaN).
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) as u16) | 0x0040;
+    }
+    ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) as u16
+}
+
+pub fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// `x` rounded through BF16 storage.
+pub fn round_bf16(x: f32) -> f32 {
+    bf16_to_f32(f32_to_bf16(x))
+}
+
+/// Largest finite E4M3 value.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// FP8 E4M3 (OCP "fn": no infinities, 0x7F/0xFF NaN) to f32.
+pub fn e4m3_to_f32(code: u8) -> f32 {
+    let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp = ((code >> 3) & 0xF) as i32;
+    let mant = (code & 0x7) as f32;
+    if exp == 0xF && code & 0x7 == 0x7 {
+        return f32::NAN;
+    }
+    let mag = if exp == 0 { mant / 8.0 * 2f32.powi(-6) } else { (1.0 + mant / 8.0) * 2f32.powi(exp - 7) };
+    sign * mag
+}
+
+/// f32 to FP8 E4M3, round to nearest even, saturating to +-448 (`cvt.rn.satfinite.e4m3x2.f32`).
+pub fn f32_to_e4m3(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7F;
+    }
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = (x.abs() as f64).min(E4M3_MAX as f64);
+    let min_normal = 2f64.powi(-6);
+    let code = if a < min_normal {
+        // Subnormal grid of 2^-9; rounding up to 8 lands exactly on the smallest normal.
+        (a / 2f64.powi(-9)).round_ties_even() as u8
+    } else {
+        let mut e = a.log2().floor() as i32;
+        // Guard against log2 rounding at exact powers of two.
+        if 2f64.powi(e) > a {
+            e -= 1;
+        } else if 2f64.powi(e + 1) <= a {
+            e += 1;
+        }
+        let mut q = ((a / 2f64.powi(e) - 1.0) * 8.0).round_ties_even() as i32;
+        if q == 8 {
+            e += 1;
+            q = 0;
+        }
+        (((e + 7) as u8) << 3) | q as u8
+    };
+    sign | code
+}
+
+/// Magnitudes of the eight E2M1 codes (bit 3 is the sign).
+pub const E2M1_VALUES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+
+pub fn e2m1_to_f32(code: u8) -> f32 {
+    let v = E2M1_VALUES[(code & 0x7) as usize];
+    if code & 0x8 != 0 {
+        -v
+    } else {
+        v
+    }
+}
+
+/// f32 to FP4 E2M1, round to nearest with ties to the even code, saturating at +-6
+/// (`cvt.rn.satfinite.e2m1x2.f32`). NaN becomes 0.
+pub fn f32_to_e2m1(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0;
+    }
+    let sign = if x.is_sign_negative() { 0x8 } else { 0 };
+    let a = x.abs();
+    // Midpoints between neighbouring codes; at a tie the even code wins.
+    const MID: [f32; 7] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
+    let mut code = 0u8;
+    for (i, &m) in MID.iter().enumerate() {
+        let upper = (i + 1) as u8;
+        if a > m || (a == m && upper % 2 == 0) {
+            code = upper;
+        }
+    }
+    sign | code
+}
+
+/// One value of an NVFP4 tensor: `weight` is `[N, K/2]`, low nibble = even k.
+pub fn nibble(packed: &[u8], row_bytes: usize, n: usize, k: usize) -> u8 {
+    let byte = packed[n * row_bytes + k / 2];
+    if k % 2 == 0 {
+        byte & 0xF
+    } else {
+        byte >> 4
+    }
+}
+
+/// ModelOpt NVFP4 quantisation of a row-major `[n, k]` matrix: returns (packed `[n, k/2]`,
+/// block scales `[n, k/16]` as E4M3 codes, weight_scale_2). Blocks of zeros get scale 1.0.
+pub fn quantize_nvfp4(w: &[f32], n: usize, k: usize) -> (Vec<u8>, Vec<u8>, f32) {
+    assert_eq!(w.len(), n * k);
+    assert_eq!(k % 16, 0, "NVFP4 needs k divisible by 16");
+    let amax = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let scale_2 = if amax > 0.0 { amax / (6.0 * E4M3_MAX) } else { 1.0 };
+    let mut packed = vec![0u8; n * k / 2];
+    let mut scales = vec![0u8; n * k / 16];
+    for r in 0..n {
+        for b in 0..k / 16 {
+            let block = &w[r * k + b * 16..r * k + b * 16 + 16];
+            let bmax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let sf = if bmax == 0.0 { f32_to_e4m3(1.0) } else { f32_to_e4m3((bmax / (6.0 * scale_2)).max(2f32.powi(-9))) };
+            scales[r * k / 16 + b] = sf;
+            let denom = e4m3_to_f32(sf) * scale_2;
+            for (j, &x) in block.iter().enumerate() {
+                let code = f32_to_e2m1(x / denom);
+                let idx = r * k / 2 + (b * 16 + j) / 2;
+                if j % 2 == 0 {
+                    packed[idx] |= code;
+                } else {
+                    packed[idx] |= code << 4;
+                }
+            }
+        }
+    }
+    (packed, scales, scale_2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        assert_eq!(f32_to_bf16(1.0), 0x3F80);
+        // 1 + 2^-8 is exactly halfway between two bf16 values: ties to even (down).
+        assert_eq!(f32_to_bf16(1.0 + 2f32.powi(-8)), 0x3F80);
+        // 1 + 3*2^-8 is halfway, the even neighbour is above.
+        assert_eq!(f32_to_bf16(1.0 + 3.0 * 2f32.powi(-8)), 0x3F82);
+        assert_eq!(bf16_to_f32(0xC040), -3.0);
+    }
+
+    #[test]
+    fn e4m3_matches_the_format_table() {
+        assert_eq!(f32_to_e4m3(1.0), 0x38);
+        assert_eq!(f32_to_e4m3(448.0), 0x7E);
+        assert_eq!(f32_to_e4m3(1e6), 0x7E, "satfinite");
+        assert_eq!(f32_to_e4m3(-1e6), 0xFE);
+        assert_eq!(f32_to_e4m3(2f32.powi(-9)), 0x01, "smallest subnormal");
+        assert_eq!(f32_to_e4m3(2f32.powi(-10)), 0x00, "half the smallest subnormal ties to even 0");
+        assert_eq!(f32_to_e4m3(1.0625), 0x38, "1 + 1/16 ties to even mantissa 0");
+        assert_eq!(f32_to_e4m3(1.1875), 0x3A, "1 + 3/16 ties to even mantissa 2");
+        for code in 0u8..=0xFE {
+            if code & 0x7F == 0x7F {
+                continue;
+            }
+            let v = e4m3_to_f32(code);
+            let back = f32_to_e4m3(v);
+            assert!(back == code || (v == 0.0), "code {code:#x} -> {v} -> {back:#x}");
+        }
+    }
+
+    #[test]
+    fn e2m1_ties_go_to_the_even_code() {
+        let cases = [(0.25, 0.0), (0.75, 1.0), (1.25, 1.0), (1.75, 2.0), (2.5, 2.0), (3.5, 4.0), (5.0, 4.0), (7.0, 6.0), (0.26, 0.5)];
+        for (x, want) in cases {
+            assert_eq!(e2m1_to_f32(f32_to_e2m1(x)), want, "{x}");
+            assert_eq!(e2m1_to_f32(f32_to_e2m1(-x)), -want, "-{x}");
+        }
+    }
+
+    #[test]
+    fn nvfp4_roundtrip_is_close() {
+        let k = 32;
+        let w: Vec<f32> = (0..2 * k).map(|i| ((i as f32) * 0.37).sin()).collect();
+        let (packed, scales, s2) = quantize_nvfp4(&w, 2, k);
+        for r in 0..2 {
+            for c in 0..k {
+                let v = e2m1_to_f32(nibble(&packed, k / 2, r, c)) * e4m3_to_f32(scales[r * k / 16 + c / 16]) * s2;
+                assert!((v - w[r * k + c]).abs() <= 0.25 * w[r * k..r * k + k].iter().fold(0f32, |m, x| m.max(x.abs())), "{r},{c}");
+            }
+        }
+    }
+}

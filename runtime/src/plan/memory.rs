@@ -1,0 +1,51 @@
+use super::DType;
+use serde::{Deserialize, Serialize};
+
+/// Paged KV cache geometry: per token and layer it holds the MLA latent, the rope key and the
+/// indexer key. MLA shares one latent across heads, so every rank keeps the whole cache.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KvLayout {
+    pub dtype: DType,
+    pub layers: usize,
+    pub latent_dim: usize,
+    pub rope_dim: usize,
+    pub index_dim: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+    pub pages: usize,
+    /// Bytes one token occupies across all layers.
+    pub bytes_per_token: u64,
+    /// Largest number of sequences resident at once (the largest decode batch).
+    pub max_seqs: usize,
+    pub pages_per_seq: usize,
+}
+
+impl KvLayout {
+    pub fn capacity_tokens(&self) -> u64 {
+        (self.pages * self.page_size) as u64
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.capacity_tokens() * self.bytes_per_token
+    }
+}
+
+/// Per-rank memory budget. Everything is decided here, at compile time: if it does not fit the
+/// compile fails; the runtime allocates exactly these regions.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemoryPlan {
+    /// Memory per GPU the plan was sized for.
+    pub gpu_memory: u64,
+    /// Reserved for the CUDA context, NCCL buffers, module images and allocator slack.
+    pub headroom: u64,
+    pub weights: u64,
+    /// Largest workspace of any program (programs replay one at a time and share it).
+    pub workspace: u64,
+    pub kv: KvLayout,
+}
+
+impl MemoryPlan {
+    pub fn used(&self) -> u64 {
+        self.headroom + self.weights + self.workspace + self.kv.bytes()
+    }
+}

@@ -1,0 +1,80 @@
+//! The static execution plan: everything the runtime needs, fixed at compile time.
+
+mod config;
+mod dtype;
+mod io;
+mod memory;
+mod op;
+mod program;
+pub mod summary;
+mod target;
+mod weights;
+
+pub use config::ModelConfig;
+pub use dtype::DType;
+pub use io::{read_plan, write_plan, PlanError, PLAN_FILE};
+pub use memory::{KvLayout, MemoryPlan};
+pub use op::{AttentionForm, Epilogue, LinearPart, LinearWeights, Op, RouterParams};
+pub use program::{BufId, Buffer, Dim, KernelFamily, Program, ProgramInputs, ProgramKind, Step};
+pub use target::{Arch, Target};
+pub use weights::{
+    MoeParallel, Parallelism, ShardChoice, Shard, TensorChoice, TensorInfo, Transform, WeightId,
+    WeightKind, WeightSlot, WeightSource,
+};
+
+use serde::{Deserialize, Serialize};
+
+/// Bumped whenever the serialized layout of [`Plan`] changes; the runtime refuses other versions.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// A compiled model for one target: the unit the runtime loads.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub format_version: u32,
+    /// kiln version that produced the plan (informational).
+    pub compiler: String,
+    pub model: ModelConfig,
+    pub target: Target,
+    pub parallel: Parallelism,
+    /// Hex SHA-256 over (name, dtype, shape) of every bound checkpoint tensor, in plan order.
+    pub fingerprint: String,
+    /// Every checkpoint tensor the plan binds, with the dtype and shape it was compiled against.
+    pub tensors: Vec<TensorInfo>,
+    /// Weight slots of the per-rank weights arena (identical layout on every rank).
+    pub weights: Vec<WeightSlot>,
+    /// Per-rank memory plan (identical on every rank for TP/EP: SPMD).
+    pub memory: MemoryPlan,
+    /// One program per shape bucket; each is captured as one CUDA graph per rank.
+    pub programs: Vec<Program>,
+    /// Human-readable record of every sharding decision and why.
+    pub sharding: Vec<ShardChoice>,
+    /// Checkpoint tensors recognised but deliberately not bound (e.g. the MTP layer).
+    pub ignored: Vec<String>,
+}
+
+impl Plan {
+    pub fn ranks(&self) -> usize {
+        self.parallel.tp
+    }
+
+    pub fn weight(&self, id: WeightId) -> &WeightSlot {
+        &self.weights[id.0 as usize]
+    }
+
+    /// The smallest decode program that holds `batch` sequences, if any.
+    pub fn decode_program(&self, batch: usize) -> Option<&Program> {
+        self.programs
+            .iter()
+            .filter(|p| matches!(p.kind, ProgramKind::Decode { batch: b } if b >= batch))
+            .min_by_key(|p| p.tokens)
+    }
+
+    /// The smallest prefill program whose chunk holds `tokens` tokens, else the largest one.
+    pub fn prefill_program(&self, tokens: usize) -> Option<&Program> {
+        let prefill = || self.programs.iter().filter(|p| matches!(p.kind, ProgramKind::Prefill { .. }));
+        prefill()
+            .filter(|p| p.tokens >= tokens)
+            .min_by_key(|p| p.tokens)
+            .or_else(|| prefill().max_by_key(|p| p.tokens))
+    }
+}

@@ -1,0 +1,197 @@
+use super::{BufId, WeightId};
+use serde::{Deserialize, Serialize};
+
+/// The semantic operation of one plan step. The CPU backend executes the `Op`; the emulator and
+/// CUDA execute the step's kernel launch; `verify` compares the two.
+///
+/// Tokens are rows: every activation buffer is `[tokens, features]` row-major. Cache ops find a
+/// token's sequence, position and cache slot in the program's input buffers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Op {
+    /// `out[t] = table[ids[t] - rank * vocab_rows]` when the id falls in this rank's `vocab_rows`
+    /// rows, else 0 (vocab-parallel embedding; an all-reduce follows when there are several ranks).
+    Embed { ids: BufId, table: WeightId, vocab_rows: usize, out: BufId },
+    /// `residual += input` (when given), then `out = rmsnorm(residual or input) * weight`
+    /// (normalised in fp32, cast to the buffer dtype, then scaled, as transformers does).
+    RmsNorm { input: BufId, residual: Option<BufId>, weight: WeightId, eps: f32, out: BufId },
+    /// `out = input @ W^T` for the concatenated parts of W, with an optional epilogue.
+    Linear {
+        input: BufId,
+        weights: LinearWeights,
+        /// Rows of W per part (e.g. gate then up); the parts may carry their own scales.
+        parts: Vec<LinearPart>,
+        k: usize,
+        epilogue: Epilogue,
+        out: BufId,
+    },
+    /// MLA cache write: `kv` rows are `[latent (kv_lora_rank) | k_rope (rope dim)]`; the latent is
+    /// RMS-normalised, the rope key rotated at the token's position, both stored in the cache.
+    MlaKvWrite { kv: BufId, norm: WeightId, eps: f32, layer: usize },
+    /// Indexer key cache write: LayerNorm(weight, bias) of `k`, RoPE on its first rope-dim values.
+    IndexerKeyWrite { k: BufId, norm: WeightId, bias: WeightId, eps: f32, layer: usize },
+    /// DSA lightning indexer: score every cached position `t <= pos` of the token's sequence with
+    /// `sum_h w[h]/sqrt(H) * relu(q_h . k_t)/sqrt(d)` and keep the `topk` best (ties: lower position
+    /// first); unused slots are -1. `q` is pre-RoPE; RoPE is applied to its first rope-dim values.
+    IndexerTopK { q: BufId, head_weights: BufId, layer: usize, topk: usize, out: BufId },
+    /// MLA attention for this rank's heads over the cached latents selected by `topk`
+    /// (all causal positions when `topk` is None). `q` rows are `[heads, nope | rope]` (pre-RoPE),
+    /// `kv_b` the rank's `[heads * (nope + v), kv_lora_rank]` slice; output `[heads * v]`.
+    MlaAttention {
+        q: BufId,
+        kv_b: WeightId,
+        topk: Option<BufId>,
+        layer: usize,
+        heads: usize,
+        scale: f32,
+        form: AttentionForm,
+        out: BufId,
+    },
+    /// fp32 sigmoid router with selection bias, group-limited top-k, normalisation and scaling.
+    Router { input: BufId, gate: WeightId, bias: WeightId, params: RouterParams, ids: BufId, weights: BufId },
+    /// Routed experts of this rank: for each token, `sum_j w_j * down(silu(gate x) * up x)` over
+    /// its selected experts that live on this rank.
+    MoeExperts {
+        input: BufId,
+        ids: BufId,
+        weights: BufId,
+        gate_up: LinearWeights,
+        down: LinearWeights,
+        /// Experts stored on this rank and the index of the first one (rank * experts_local for EP).
+        experts_local: usize,
+        expert_parallel: bool,
+        /// Per-rank intermediate size of one expert.
+        intermediate: usize,
+        hidden: usize,
+        out: BufId,
+    },
+    /// `out = a + b` elementwise.
+    Add { a: BufId, b: BufId, out: BufId },
+    /// `out[i] = input[rows[i]]` (rows < 0 give zeros).
+    GatherRows { input: BufId, rows: BufId, out: BufId },
+    /// Sum `buf` over all ranks in fixed rank order; every rank gets the sum.
+    AllReduce { buf: BufId },
+    /// Concatenate each rank's `input` columns in rank order into `out` on every rank.
+    AllGather { input: BufId, out: BufId },
+}
+
+/// The weights of a linear layer (or of a stack of experts, with a leading expert dimension).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LinearWeights {
+    /// `[N, K]` BF16 rows.
+    Bf16 { weight: WeightId },
+    /// ModelOpt NVFP4: `weight` U8 `[N, K/2]` (low nibble = even k), `scale` F8_E4M3 `[N, K/16]`,
+    /// `scale_2` and `input_scale` F32 `[parts]` (one per part; per expert for expert stacks).
+    Nvfp4 { weight: WeightId, scale: WeightId, scale_2: WeightId, input_scale: WeightId },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinearPart {
+    pub rows: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Epilogue {
+    None,
+    /// Two equal parts (gate, up): `out = silu(gate) * up`, half the columns.
+    SiluMul,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AttentionForm {
+    /// Expand per-head K/V from the latents with kv_b (prefill).
+    Expanded,
+    /// Absorb kv_b into q and the output (decode); must equal the expanded form.
+    Absorbed,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RouterParams {
+    pub experts: usize,
+    pub top_k: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub norm_topk_prob: bool,
+    pub scaling: f32,
+}
+
+impl LinearWeights {
+    pub fn ids(&self) -> Vec<WeightId> {
+        match *self {
+            LinearWeights::Bf16 { weight } => vec![weight],
+            LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => vec![weight, scale, scale_2, input_scale],
+        }
+    }
+}
+
+impl Op {
+    /// Activation buffers the op reads (program inputs such as positions are implicit).
+    pub fn reads(&self) -> Vec<BufId> {
+        match self {
+            Op::Embed { ids, .. } => vec![*ids],
+            Op::RmsNorm { input, residual, .. } => std::iter::once(*input).chain(*residual).collect(),
+            Op::Linear { input, .. } => vec![*input],
+            Op::MlaKvWrite { kv, .. } => vec![*kv],
+            Op::IndexerKeyWrite { k, .. } => vec![*k],
+            Op::IndexerTopK { q, head_weights, .. } => vec![*q, *head_weights],
+            Op::MlaAttention { q, topk, .. } => std::iter::once(*q).chain(*topk).collect(),
+            Op::Router { input, .. } => vec![*input],
+            Op::MoeExperts { input, ids, weights, .. } => vec![*input, *ids, *weights],
+            Op::Add { a, b, .. } => vec![*a, *b],
+            Op::GatherRows { input, rows, .. } => vec![*input, *rows],
+            Op::AllReduce { buf } => vec![*buf],
+            Op::AllGather { input, .. } => vec![*input],
+        }
+    }
+
+    /// Activation buffers the op writes (cache writes go to the KV cache, not a buffer).
+    pub fn writes(&self) -> Vec<BufId> {
+        match self {
+            Op::Embed { out, .. }
+            | Op::Linear { out, .. }
+            | Op::IndexerTopK { out, .. }
+            | Op::MlaAttention { out, .. }
+            | Op::MoeExperts { out, .. }
+            | Op::Add { out, .. }
+            | Op::GatherRows { out, .. }
+            | Op::AllGather { out, .. } => vec![*out],
+            Op::RmsNorm { residual, out, .. } => std::iter::once(*out).chain(*residual).collect(),
+            Op::Router { ids, weights, .. } => vec![*ids, *weights],
+            Op::AllReduce { buf } => vec![*buf],
+            Op::MlaKvWrite { .. } | Op::IndexerKeyWrite { .. } => vec![],
+        }
+    }
+
+    /// Weight slots the op reads.
+    pub fn weight_ids(&self) -> Vec<WeightId> {
+        match self {
+            Op::Embed { table, .. } => vec![*table],
+            Op::RmsNorm { weight, .. } => vec![*weight],
+            Op::Linear { weights, .. } => weights.ids(),
+            Op::MlaKvWrite { norm, .. } => vec![*norm],
+            Op::IndexerKeyWrite { norm, bias, .. } => vec![*norm, *bias],
+            Op::MlaAttention { kv_b, .. } => vec![*kv_b],
+            Op::Router { gate, bias, .. } => vec![*gate, *bias],
+            Op::MoeExperts { gate_up, down, .. } => gate_up.ids().into_iter().chain(down.ids()).collect(),
+            Op::IndexerTopK { .. } | Op::Add { .. } | Op::GatherRows { .. } | Op::AllReduce { .. } | Op::AllGather { .. } => vec![],
+        }
+    }
+
+    /// Short name for reports.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Embed { .. } => "embed",
+            Op::RmsNorm { .. } => "rmsnorm",
+            Op::Linear { .. } => "linear",
+            Op::MlaKvWrite { .. } => "mla_kv_write",
+            Op::IndexerKeyWrite { .. } => "indexer_key_write",
+            Op::IndexerTopK { .. } => "indexer_topk",
+            Op::MlaAttention { .. } => "mla_attention",
+            Op::Router { .. } => "router",
+            Op::MoeExperts { .. } => "moe_experts",
+            Op::Add { .. } => "add",
+            Op::GatherRows { .. } => "gather_rows",
+            Op::AllReduce { .. } => "all_reduce",
+            Op::AllGather { .. } => "all_gather",
+        }
+    }
+}

@@ -1,0 +1,109 @@
+use super::{DType, Op};
+use serde::{Deserialize, Serialize};
+
+/// Index of a [`Buffer`] in `Program::buffers`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct BufId(pub u32);
+
+/// A symbolic dimension of a graph value, fixed per program by shape specialisation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Dim {
+    /// Tokens processed by one replay (prefill chunk or decode batch).
+    Tokens,
+    /// Sequences in one replay.
+    Seqs,
+    /// Rows whose logits the program returns.
+    LogitRows,
+    /// Cache pages a sequence may hold.
+    PagesPerSeq,
+    Fixed(usize),
+}
+
+/// One activation or input buffer of a program, at a fixed offset in the rank's workspace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Buffer {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub offset: u64,
+    pub bytes: u64,
+}
+
+/// The kernel family a step needs on a GPU target (the launch itself is added by lowering).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum KernelFamily {
+    Embed,
+    RmsNorm,
+    LinearBf16,
+    LinearNvfp4,
+    MlaKvWrite,
+    IndexerKeyWrite,
+    IndexerTopK,
+    MlaAttention,
+    Router,
+    MoeNvfp4,
+    MoeBf16,
+    Add,
+    GatherRows,
+    /// NCCL collectives: no kiln kernel.
+    Collective,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Step {
+    pub op: Op,
+    pub kernel: KernelFamily,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ProgramKind {
+    /// One sequence, a chunk of up to `chunk` new tokens appended after its cached prefix.
+    Prefill { chunk: usize },
+    /// Up to `batch` sequences, one new token each.
+    Decode { batch: usize },
+}
+
+/// The fixed input buffers written before each replay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProgramInputs {
+    /// `[tokens]` I32 token ids.
+    pub ids: BufId,
+    /// `[tokens]` I32 absolute positions.
+    pub positions: BufId,
+    /// `[tokens]` I32 row of the token's sequence in `page_table` (-1: padding token).
+    pub token_seq: BufId,
+    /// `[tokens]` I32 cache slot (page * page_size + offset) the token's keys are written to.
+    pub slots: BufId,
+    /// `[seqs, pages_per_seq]` I32 page ids of each sequence (-1: unused).
+    pub page_table: BufId,
+    /// `[logit_rows]` I32 token rows whose logits are returned (-1: none).
+    pub logit_rows: BufId,
+}
+
+/// A static list of steps over fixed buffers for one shape bucket: captured as one CUDA graph per
+/// rank. All ranks run the same program (SPMD) on their own shard of the weights.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Program {
+    pub name: String,
+    pub kind: ProgramKind,
+    pub tokens: usize,
+    pub seqs: usize,
+    pub logit_rows: usize,
+    pub buffers: Vec<Buffer>,
+    pub inputs: ProgramInputs,
+    /// `[logit_rows, vocab]` F32, complete on every rank.
+    pub logits: BufId,
+    pub steps: Vec<Step>,
+    /// Bytes of workspace this program needs (inputs + live activations at their peak).
+    pub workspace_bytes: u64,
+}
+
+impl Program {
+    pub fn buffer(&self, id: BufId) -> &Buffer {
+        &self.buffers[id.0 as usize]
+    }
+
+    pub fn all_reduces(&self) -> usize {
+        self.steps.iter().filter(|s| matches!(s.op, Op::AllReduce { .. } | Op::AllGather { .. })).count()
+    }
+}

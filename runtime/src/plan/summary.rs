@@ -1,0 +1,101 @@
+//! A readable summary of a plan: `manifest.json` and `kiln inspect --json` both print it.
+
+use super::{Plan, ProgramKind, WeightKind};
+use serde::Serialize;
+
+#[derive(Debug, Serialize)]
+pub struct Summary {
+    pub format_version: u32,
+    pub compiler: String,
+    pub model_type: String,
+    pub layers: usize,
+    pub fingerprint: String,
+    pub target: String,
+    pub device: String,
+    pub tp: usize,
+    pub moe_parallel: String,
+    pub per_gpu: PerGpu,
+    pub programs: Vec<ProgramSummary>,
+    pub sharding: Vec<super::ShardChoice>,
+    pub ignored: Vec<String>,
+    pub tensors: usize,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PerGpu {
+    pub gpu_memory_bytes: u64,
+    pub weight_bytes: u64,
+    /// Weight bytes by kind, in a fixed order.
+    pub weight_bytes_by_kind: Vec<(String, u64)>,
+    pub workspace_bytes: u64,
+    pub kv_bytes: u64,
+    pub kv_bytes_per_token: u64,
+    pub kv_page_size: usize,
+    pub kv_pages: usize,
+    pub kv_token_capacity: u64,
+    pub headroom_bytes: u64,
+    pub free_bytes: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ProgramSummary {
+    pub name: String,
+    pub kind: String,
+    pub tokens: usize,
+    pub logit_rows: usize,
+    pub steps: usize,
+    pub collectives: usize,
+    pub workspace_bytes: u64,
+}
+
+pub fn summarize(plan: &Plan) -> Summary {
+    let m = &plan.memory;
+    let by_kind = WeightKind::ALL
+        .iter()
+        .map(|k| (k.label().to_string(), plan.weights.iter().filter(|w| w.kind == *k).map(|w| w.bytes).sum()))
+        .filter(|(_, b): &(String, u64)| *b > 0)
+        .collect();
+    Summary {
+        format_version: plan.format_version,
+        compiler: plan.compiler.clone(),
+        model_type: plan.model.model_type.clone(),
+        layers: plan.model.num_hidden_layers,
+        fingerprint: plan.fingerprint.clone(),
+        target: plan.target.name.clone(),
+        device: plan.target.device.clone(),
+        tp: plan.parallel.tp,
+        moe_parallel: format!("{:?}", plan.parallel.moe).to_lowercase(),
+        per_gpu: PerGpu {
+            gpu_memory_bytes: m.gpu_memory,
+            weight_bytes: m.weights,
+            weight_bytes_by_kind: by_kind,
+            workspace_bytes: m.workspace,
+            kv_bytes: m.kv.bytes(),
+            kv_bytes_per_token: m.kv.bytes_per_token,
+            kv_page_size: m.kv.page_size,
+            kv_pages: m.kv.pages,
+            kv_token_capacity: m.kv.capacity_tokens(),
+            headroom_bytes: m.headroom,
+            free_bytes: m.gpu_memory.saturating_sub(m.used()),
+        },
+        programs: plan
+            .programs
+            .iter()
+            .map(|p| ProgramSummary {
+                name: p.name.clone(),
+                kind: match p.kind {
+                    ProgramKind::Prefill { .. } => "prefill".into(),
+                    ProgramKind::Decode { .. } => "decode".into(),
+                },
+                tokens: p.tokens,
+                logit_rows: p.logit_rows,
+                steps: p.steps.len(),
+                collectives: p.all_reduces(),
+                workspace_bytes: p.workspace_bytes,
+            })
+            .collect(),
+        sharding: plan.sharding.clone(),
+        ignored: plan.ignored.clone(),
+        tensors: plan.tensors.len(),
+    }
+}

@@ -1,0 +1,77 @@
+use anyhow::Context;
+use kiln_compiler::targets::parse_bytes;
+use kiln_compiler::{compile, CompileOptions};
+use kiln_runtime::plan::MoeParallel;
+use std::path::PathBuf;
+
+/// Compile a checkpoint into a plan artifact.
+///
+/// Reads config.json, the ModelOpt quantization config and the safetensors headers (no weight
+/// data), checks every tensor against the architecture, shards for --tp GPUs, specialises one
+/// program per shape bucket and plans memory per GPU. Fails, naming the culprit, if anything is
+/// missing or the model does not fit.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Hugging Face checkpoint directory (config.json + safetensors).
+    checkpoint: PathBuf,
+    /// Target: sm_120a (RTX PRO 6000 Blackwell), sm_90a (H200) or cpu (reference backend).
+    #[arg(long, default_value = "sm_120a")]
+    target: String,
+    /// Tensor-parallel degree: 1, 2, 4 or 8 GPUs.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// How routed experts are split: tp (slice every expert) or ep (whole experts per GPU).
+    #[arg(long, default_value = "tp", value_parser = ["tp", "ep"])]
+    moe_parallel: String,
+    /// Memory per GPU to plan for, e.g. 96GB or 40GiB (default: the target's).
+    #[arg(long)]
+    gpu_memory: Option<String>,
+    /// Memory per GPU kept free for the CUDA context, NCCL and slack (default: 3 GiB on GPUs).
+    #[arg(long)]
+    headroom: Option<String>,
+    /// Largest prefill chunk in tokens; smaller buckets are derived from it.
+    #[arg(long, default_value_t = 8192)]
+    prefill_chunk: usize,
+    /// Decode batch buckets, comma separated.
+    #[arg(long, default_value = "1,2,4,8,16,32,64", value_delimiter = ',')]
+    decode_batches: Vec<usize>,
+    /// Longest sequence to serve (default: max_position_embeddings).
+    #[arg(long)]
+    max_context: Option<usize>,
+    /// Output artifact directory.
+    #[arg(short, long)]
+    out: PathBuf,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let start = std::time::Instant::now();
+    let opts = CompileOptions {
+        target: a.target,
+        tp: a.tp,
+        moe: if a.moe_parallel == "ep" { MoeParallel::Ep } else { MoeParallel::Tp },
+        gpu_memory: a.gpu_memory.map(|s| parse_bytes("--gpu-memory", &s)).transpose()?,
+        headroom: a.headroom.map(|s| parse_bytes("--headroom", &s)).transpose()?,
+        prefill_chunk: a.prefill_chunk,
+        decode_batches: a.decode_batches,
+        max_context: a.max_context,
+    };
+    let compiled = compile(&a.checkpoint, &opts)?;
+    for w in &compiled.warnings {
+        eprintln!("warning: {w}");
+    }
+    kiln_compiler::artifact::write_artifact(&a.out, &compiled.plan, &a.checkpoint)
+        .with_context(|| format!("writing the artifact to {}", a.out.display()))?;
+    let p = &compiled.plan;
+    eprintln!(
+        "compiled {} ({} layers, {} tensors) for {} x{} into {} in {:.2}s; KV capacity {} tokens per GPU",
+        a.checkpoint.display(),
+        p.model.num_hidden_layers,
+        p.tensors.len(),
+        p.target.name,
+        p.parallel.tp,
+        a.out.display(),
+        start.elapsed().as_secs_f64(),
+        p.memory.kv.capacity_tokens()
+    );
+    Ok(())
+}
