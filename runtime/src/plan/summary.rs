@@ -26,7 +26,7 @@ pub struct PerGpu {
     pub gpu_memory_bytes: u64,
     pub weight_bytes: u64,
     /// Weight bytes by kind, in a fixed order.
-    pub weight_bytes_by_kind: Vec<(String, u64)>,
+    pub weight_bytes_by_kind: Vec<KindBytes>,
     pub workspace_bytes: u64,
     pub kv_bytes: u64,
     pub kv_bytes_per_token: u64,
@@ -35,6 +35,12 @@ pub struct PerGpu {
     pub kv_token_capacity: u64,
     pub headroom_bytes: u64,
     pub free_bytes: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct KindBytes {
+    pub kind: String,
+    pub bytes: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -52,8 +58,8 @@ pub fn summarize(plan: &Plan) -> Summary {
     let m = &plan.memory;
     let by_kind = WeightKind::ALL
         .iter()
-        .map(|k| (k.label().to_string(), plan.weights.iter().filter(|w| w.kind == *k).map(|w| w.bytes).sum()))
-        .filter(|(_, b): &(String, u64)| *b > 0)
+        .map(|k| KindBytes { kind: k.label().to_string(), bytes: plan.weights.iter().filter(|w| w.kind == *k).map(|w| w.bytes).sum() })
+        .filter(|k| k.bytes > 0)
         .collect();
     Summary {
         format_version: plan.format_version,
