@@ -38,7 +38,7 @@ pub enum CompileError {
         "the model does not fit on {target} with {gpu_memory}: per GPU it needs {needed} \
          (weights {weights}, workspace {workspace}, minimum KV cache {kv_min}, headroom {headroom}), \
          {short} more than available; use more GPUs (--tp), a larger --gpu-memory, or smaller \
-         --prefill-chunk/--decode-batches"
+         --max-context, --prefill-chunk or --decode-batches"
     )]
     DoesNotFit {
         target: String,

@@ -5,5 +5,6 @@
 
 pub mod numerics;
 pub mod plan;
+pub mod safetensors;
 
 pub use plan::{Plan, PlanError, FORMAT_VERSION};

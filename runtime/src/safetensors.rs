@@ -1,0 +1,96 @@
+//! safetensors headers (the compiler reads them at compile time, the runtime to bind weights).
+
+use crate::plan::DType;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {message}")]
+pub struct SafetensorsError {
+    pub path: PathBuf,
+    pub message: String,
+}
+
+/// Headers larger than this are refused as corrupt (the spec caps them at 100 MB).
+const MAX_HEADER_BYTES: u64 = 100 * 1024 * 1024;
+
+/// One tensor as described by a safetensors header.
+#[derive(Debug, Clone)]
+pub struct TensorHeader {
+    /// The dtype string as written in the file (kept verbatim so errors can quote it).
+    pub dtype: String,
+    pub shape: Vec<usize>,
+    /// Absolute byte range of the data in the file.
+    pub data_start: u64,
+    pub data_end: u64,
+}
+
+impl TensorHeader {
+    pub fn dtype(&self) -> Option<DType> {
+        DType::from_safetensors_name(&self.dtype)
+    }
+}
+
+/// Reads and validates the header of one safetensors file: the tensors in file order.
+pub fn read_header(path: &Path) -> Result<Vec<(String, TensorHeader)>, SafetensorsError> {
+    let bad = |message: String| SafetensorsError { path: path.to_path_buf(), message };
+    let io = |e: std::io::Error| SafetensorsError { path: path.to_path_buf(), message: e.to_string() };
+    let mut file = std::fs::File::open(path).map_err(io)?;
+    let file_len = file.metadata().map_err(io)?.len();
+    let mut len_bytes = [0u8; 8];
+    file.read_exact(&mut len_bytes)
+        .map_err(|_| bad(format!("truncated: {file_len} bytes, too short for the 8-byte header length")))?;
+    let header_len = u64::from_le_bytes(len_bytes);
+    if header_len > MAX_HEADER_BYTES || header_len > file_len.saturating_sub(8) {
+        return Err(bad(format!(
+            "truncated or corrupt: header length field says {header_len} bytes but the file has {file_len} bytes"
+        )));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header).map_err(io)?;
+    let map: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
+        .map_err(|e| bad(format!("header is not valid JSON: {e}")))?;
+    let data_base = 8 + header_len;
+    let data_len = file_len - data_base;
+    let mut tensors = Vec::with_capacity(map.len());
+    for (name, entry) in map {
+        if name == "__metadata__" {
+            continue;
+        }
+        let field = |key: &str| {
+            entry.get(key).ok_or_else(|| bad(format!("tensor `{name}`: header entry has no `{key}`")))
+        };
+        let dtype = field("dtype")?
+            .as_str()
+            .ok_or_else(|| bad(format!("tensor `{name}`: `dtype` is not a string")))?
+            .to_string();
+        let shape = field("shape")?
+            .as_array()
+            .and_then(|dims| dims.iter().map(|d| d.as_u64().map(|d| d as usize)).collect::<Option<Vec<_>>>())
+            .ok_or_else(|| bad(format!("tensor `{name}`: `shape` is not a list of integers")))?;
+        let offsets = field("data_offsets")?
+            .as_array()
+            .filter(|o| o.len() == 2)
+            .and_then(|o| Some([o[0].as_u64()?, o[1].as_u64()?]))
+            .ok_or_else(|| bad(format!("tensor `{name}`: `data_offsets` is not [begin, end]")))?;
+        let [begin, end] = offsets;
+        if begin > end || end > data_len {
+            return Err(bad(format!(
+                "truncated or corrupt: tensor `{name}` claims bytes {begin}..{end} of the data region but it holds {data_len} bytes"
+            )));
+        }
+        if let Some(dt) = DType::from_safetensors_name(&dtype) {
+            let expected = shape.iter().product::<usize>() as u64 * dt.size() as u64;
+            if end - begin != expected {
+                return Err(bad(format!(
+                    "tensor `{name}`: {dtype} {shape:?} needs {expected} bytes but data_offsets span {}",
+                    end - begin
+                )));
+            }
+        }
+        tensors.push((name, TensorHeader { dtype, shape, data_start: data_base + begin, data_end: data_base + end }));
+    }
+    tensors.sort_by_key(|(_, t)| t.data_start);
+    Ok(tensors)
+}
+

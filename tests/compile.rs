@@ -1,0 +1,320 @@
+//! End-to-end tests of `kiln synth`, `kiln compile` and `kiln inspect` through the binary.
+
+use kiln_compiler::checkpoint::safetensors::{read_header, write_file, TensorToWrite};
+use kiln_runtime::plan::DType;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+fn kiln(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).output().expect("run kiln")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn ok(args: &[&str]) -> Output {
+    let o = kiln(args);
+    assert!(o.status.success(), "kiln {args:?} failed:\n{}", stderr(&o));
+    o
+}
+
+/// Runs kiln expecting a clean failure: non-zero exit, no panic, every `needle` in stderr.
+fn fails(args: &[&str], needles: &[&str]) -> String {
+    let o = kiln(args);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "kiln {args:?} should fail");
+    assert!(!err.contains("panicked"), "kiln {args:?} panicked:\n{err}");
+    for n in needles {
+        assert!(err.contains(n), "kiln {args:?}: stderr lacks {n:?}:\n{err}");
+    }
+    err
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// One tiny checkpoint shared by the tests of this file (copied before mutation).
+fn tiny() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = scratch("tiny").join("ckpt");
+        ok(&["synth", "tiny", "-o", s(&dir)]);
+        dir
+    })
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+fn inspect_json(art: &Path) -> Value {
+    let o = ok(&["inspect", s(art), "--json"]);
+    serde_json::from_slice(&o.stdout).expect("inspect --json prints JSON")
+}
+
+#[test]
+fn tiny_compiles_for_every_tp_and_both_moe_splits() {
+    let root = scratch("tp");
+    for tp in ["1", "2", "4", "8"] {
+        for moe in ["tp", "ep"] {
+            let art = root.join(format!("tp{tp}-{moe}"));
+            ok(&["compile", s(tiny()), "--target", "cpu", "--tp", tp, "--moe-parallel", moe, "-o", s(&art)]);
+            let j = inspect_json(&art);
+            assert_eq!(j["tp"], tp.parse::<u64>().unwrap());
+            let progs = j["programs"].as_array().unwrap();
+            assert!(progs.iter().any(|p| p["kind"] == "prefill") && progs.iter().any(|p| p["kind"] == "decode"));
+            // 1 embedding + 2 per layer (attention, MLP) + 1 logits gather when sharded.
+            let layers = j["layers"].as_u64().unwrap();
+            let want = if tp == "1" { 0 } else { 2 + 2 * layers };
+            assert!(progs.iter().all(|p| p["collectives"] == want), "{tp}/{moe}: {progs:?}");
+            assert!(j["ignored"][0].as_str().unwrap().contains("MTP"), "MTP layer is recognised and not bound");
+            for f in ["tokenizer.json", "chat_template.jinja", "manifest.json"] {
+                assert!(art.join(f).is_file(), "{f} copied/written");
+            }
+        }
+    }
+}
+
+#[test]
+fn same_input_gives_byte_identical_artifacts() {
+    let root = scratch("determinism");
+    let (a, b) = (root.join("a"), root.join("b"));
+    for out in [&a, &b] {
+        ok(&["compile", s(tiny()), "--target", "cpu", "--tp", "2", "-o", s(out)]);
+    }
+    for f in ["plan.bin", "manifest.json"] {
+        assert_eq!(std::fs::read(a.join(f)).unwrap(), std::fs::read(b.join(f)).unwrap(), "{f} differs between compiles");
+    }
+    // synth itself is deterministic too.
+    let again = root.join("tiny-again");
+    ok(&["synth", "tiny", "-o", s(&again)]);
+    for f in ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "tokenizer.json"] {
+        assert_eq!(std::fs::read(tiny().join(f)).unwrap(), std::fs::read(again.join(f)).unwrap(), "{f}");
+    }
+}
+
+/// Per-GPU weight bytes of GLM-5-NVFP4 at TP 8, counted by hand from the tensor table
+/// (glm5.md section 3/4) and kiln's sharding rules as documented, not from compiler code.
+fn glm5_expected_weight_bytes_tp8() -> u64 {
+    let (h, v, tp) = (6144u64, 154880u64, 8u64);
+    let bf16 = |n: u64| 2 * n;
+    // NVFP4 [n, k] split over ranks: packed n*k/2 + scales n*k/16, bytes per rank.
+    let fp4 = |n: u64, k: u64| n * k / 2 / tp + n * k / 16 / tp;
+    let scalars = |count: u64| 4 * count;
+    let embed_and_head = 2 * bf16(v * h) / tp;
+    let attention = bf16(2048 * h) + bf16(576 * h) // q_a, kv_a: replicated
+        + (bf16(16384 * 2048) + bf16(28672 * 512) + bf16(h * 16384)) / tp // q_b, kv_b, o_proj: split
+        + bf16(2048) + bf16(512); // q_a / kv_a layernorms
+    let indexer = bf16(4096 * 2048) + bf16(128 * h) + bf16(2 * 128) + bf16(32 * h);
+    let norms = bf16(2 * h);
+    let dense = 2 * fp4(12288, h) + fp4(h, 12288) + scalars(2 * 3); // gate, up, down: scale_2 + input_scale each
+    let expert = 2 * fp4(2048, h) + fp4(h, 2048) + scalars(2 * 3);
+    let moe = bf16(256 * h) + 4 * 256 + 256 * expert + expert; // router + routed + shared
+    embed_and_head + 78 * (attention + indexer + norms) + 3 * dense + 75 * moe + bf16(h)
+}
+
+#[test]
+fn glm5_skeleton_tp8_matches_independent_weight_count_and_public_kv_capacity() {
+    let root = scratch("glm5");
+    let ckpt = root.join("ckpt");
+    ok(&["synth", "glm5", "-o", s(&ckpt)]);
+    let art = root.join("plan");
+    ok(&["compile", s(&ckpt), "--target", "sm_120a", "--tp", "8", "-o", s(&art)]);
+    let j = inspect_json(&art);
+    let g = &j["per_gpu"];
+    let by_kind: u64 = g["weight_bytes_by_kind"].as_array().unwrap().iter().map(|k| k["bytes"].as_u64().unwrap()).sum();
+    assert_eq!(by_kind, glm5_expected_weight_bytes_tp8(), "per-GPU weight bytes");
+    let arena = g["weight_bytes"].as_u64().unwrap();
+    assert!(arena >= by_kind && arena - by_kind < 256 * 100_000, "arena adds only alignment padding");
+
+    // KV: latent 512 + rope 64 + indexer key 128 values per token and layer, BF16, 78 layers.
+    let per_token = 78 * (512 + 64 + 128) * 2;
+    assert_eq!(g["kv_bytes_per_token"], per_token);
+    let left = g["gpu_memory_bytes"].as_u64().unwrap() - arena - g["workspace_bytes"].as_u64().unwrap() - g["headroom_bytes"].as_u64().unwrap();
+    let capacity = g["kv_token_capacity"].as_u64().unwrap();
+    assert_eq!(capacity, left / (64 * per_token) * 64, "KV takes what is left, in 64-token pages");
+    // Public figure (SGLang, rtx6kpro): 314,304 BF16 tokens per GPU at TP8. kiln plans the rest
+    // of memory exactly instead of reserving a fraction for a caching allocator, so it may hold
+    // more, but it must be the same order.
+    let public = 314_304f64;
+    let ratio = capacity as f64 / public;
+    assert!((0.9..1.3).contains(&ratio), "KV capacity {capacity} vs public {public} (ratio {ratio:.2})");
+
+    // The same compile in 40 GB does not fit and says by how much.
+    let err = fails(
+        &["compile", s(&ckpt), "--target", "sm_120a", "--tp", "8", "--gpu-memory", "40GB", "-o", s(&root.join("small"))],
+        &["does not fit", "more than available", "weights 54."],
+    );
+    assert!(!root.join("small").join("plan.bin").exists(), "no artifact on failure: {err}");
+}
+
+/// Rewrites one shard, letting `edit` drop tensors (None) or change dtype/shape (data zeroed
+/// when the size changes).
+fn rewrite_shard(path: &Path, edit: impl Fn(&str, DType, &[usize]) -> Option<(DType, Vec<usize>)>) {
+    let bytes = std::fs::read(path).unwrap();
+    let tensors = read_header(path).unwrap();
+    let mut kept = Vec::new();
+    for (name, h) in &tensors {
+        let dtype = h.dtype().unwrap();
+        if let Some((dt, shape)) = edit(name, dtype, &h.shape) {
+            let size = shape.iter().product::<usize>() * dt.size();
+            let data = if size == (h.data_end - h.data_start) as usize {
+                bytes[h.data_start as usize..h.data_end as usize].to_vec()
+            } else {
+                vec![0u8; size]
+            };
+            kept.push((name.clone(), dt, shape, data));
+        }
+    }
+    let to_write: Vec<TensorToWrite> =
+        kept.iter().map(|(n, d, s, data)| TensorToWrite { name: n.clone(), dtype: *d, shape: s.clone(), data: Some(data) }).collect();
+    write_file(path, &to_write).unwrap();
+}
+
+fn shard_of(ckpt: &Path, tensor: &str) -> PathBuf {
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(ckpt.join("model.safetensors.index.json")).unwrap()).unwrap();
+    ckpt.join(index["weight_map"][tensor].as_str().unwrap())
+}
+
+fn broken_copy(name: &str) -> (PathBuf, PathBuf) {
+    let root = scratch(name);
+    let ckpt = root.join("ckpt");
+    copy_dir(tiny(), &ckpt);
+    (ckpt, root.join("plan"))
+}
+
+fn compile_fails(ckpt: &Path, out: &Path, needles: &[&str]) -> String {
+    fails(&["compile", s(ckpt), "--target", "cpu", "-o", s(out)], needles)
+}
+
+#[test]
+fn bad_checkpoints_fail_with_the_culprit_named() {
+    // Not a directory.
+    compile_fails(Path::new("/nonexistent/ckpt"), Path::new("/tmp/never"), &["/nonexistent/ckpt", "not found"]);
+
+    // Malformed config.json.
+    let (ckpt, out) = broken_copy("badjson");
+    std::fs::write(ckpt.join("config.json"), "{\"hidden_size\": 12,").unwrap();
+    compile_fails(&ckpt, &out, &["config.json", "malformed JSON"]);
+
+    // Unknown architecture.
+    let (ckpt, out) = broken_copy("arch");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(tiny().join("config.json")).unwrap()).unwrap();
+    cfg["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
+    cfg["model_type"] = "llama".into();
+    std::fs::write(ckpt.join("config.json"), cfg.to_string()).unwrap();
+    compile_fails(&ckpt, &out, &["unsupported architecture", "LlamaForCausalLM"]);
+
+    // Missing config field.
+    let (ckpt, out) = broken_copy("field");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(tiny().join("config.json")).unwrap()).unwrap();
+    cfg.as_object_mut().unwrap().remove("index_topk");
+    std::fs::write(ckpt.join("config.json"), cfg.to_string()).unwrap();
+    compile_fails(&ckpt, &out, &["index_topk", "missing"]);
+
+    // Unsupported quantisation.
+    let (ckpt, out) = broken_copy("fp8");
+    std::fs::write(ckpt.join("hf_quant_config.json"), r#"{"quantization": {"quant_algo": "FP8"}}"#).unwrap();
+    compile_fails(&ckpt, &out, &["hf_quant_config.json", "quant_algo", "FP8"]);
+
+    // Missing tensor, still promised by the index.
+    let t = "model.layers.1.self_attn.o_proj.weight";
+    let (ckpt, out) = broken_copy("missing-indexed");
+    rewrite_shard(&shard_of(&ckpt, t), |n, d, s| (n != t).then(|| (d, s.to_vec())));
+    compile_fails(&ckpt, &out, &[t, "listed in model.safetensors.index.json"]);
+
+    // Missing tensor, also gone from the index.
+    let (ckpt, out) = broken_copy("missing");
+    rewrite_shard(&shard_of(&ckpt, t), |n, d, s| (n != t).then(|| (d, s.to_vec())));
+    let index_path = ckpt.join("model.safetensors.index.json");
+    let mut index: Value = serde_json::from_str(&std::fs::read_to_string(&index_path).unwrap()).unwrap();
+    index["weight_map"].as_object_mut().unwrap().remove(t);
+    std::fs::write(&index_path, index.to_string()).unwrap();
+    compile_fails(&ckpt, &out, &["missing tensor", t, "o_proj"]);
+
+    // Wrong dtype.
+    let (ckpt, out) = broken_copy("dtype");
+    rewrite_shard(&shard_of(&ckpt, t), |n, d, s| Some((if n == t { DType::F16 } else { d }, s.to_vec())));
+    compile_fails(&ckpt, &out, &[t, "expected BF16", "found F16"]);
+
+    // Wrong shape.
+    let (ckpt, out) = broken_copy("shape");
+    rewrite_shard(&shard_of(&ckpt, t), |n, d, s| Some((d, if n == t { vec![s[0], s[1] / 2] } else { s.to_vec() })));
+    compile_fails(&ckpt, &out, &[t, "expected BF16 [256, 256]", "found BF16 [256, 128]"]);
+
+    // The quantization config and the tensors disagree.
+    let (ckpt, out) = broken_copy("excluded");
+    let q = std::fs::read_to_string(ckpt.join("hf_quant_config.json")).unwrap().replace("\"lm_head\",", "\"lm_head\", \"*experts*\",");
+    std::fs::write(ckpt.join("hf_quant_config.json"), q).unwrap();
+    compile_fails(&ckpt, &out, &["experts.0.gate_proj.weight", "expected BF16", "found U8", "excluded by pattern \"*experts*\""]);
+
+    // Truncated header and truncated data.
+    let (ckpt, out) = broken_copy("trunc-header");
+    let shard = ckpt.join("model-00001-of-00002.safetensors");
+    std::fs::OpenOptions::new().write(true).open(&shard).unwrap().set_len(1000).unwrap();
+    compile_fails(&ckpt, &out, &["model-00001-of-00002.safetensors", "truncated"]);
+    std::fs::OpenOptions::new().write(true).open(&shard).unwrap().set_len(3).unwrap();
+    compile_fails(&ckpt, &out, &["model-00001-of-00002.safetensors", "truncated"]);
+    let (ckpt, out) = broken_copy("trunc-data");
+    let shard = ckpt.join("model-00002-of-00002.safetensors");
+    let len = std::fs::metadata(&shard).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&shard).unwrap().set_len(len - 100).unwrap();
+    compile_fails(&ckpt, &out, &["model-00002-of-00002.safetensors", "truncated or corrupt", "claims bytes"]);
+}
+
+#[test]
+fn bad_options_and_artifacts_fail_cleanly() {
+    let out = scratch("opts").join("plan");
+    fails(&["compile", s(tiny()), "--target", "sm_100", "-o", s(&out)], &["--target", "sm_100", "sm_120a"]);
+    fails(&["compile", s(tiny()), "--target", "cpu", "--tp", "3", "-o", s(&out)], &["--tp", "3"]);
+    fails(&["compile", s(tiny()), "--target", "cpu", "--gpu-memory", "lots", "-o", s(&out)], &["--gpu-memory", "lots"]);
+    fails(&["compile", s(tiny()), "--target", "cpu", "--max-context", "999999", "-o", s(&out)], &["--max-context", "999999"]);
+
+    fails(&["inspect", "/nonexistent/plan"], &["/nonexistent/plan/plan.bin"]);
+    let art = scratch("garbage");
+    std::fs::write(art.join("plan.bin"), b"hello").unwrap();
+    fails(&["inspect", s(&art)], &["not a kiln plan"]);
+    let mut bytes = b"KILNPLAN".to_vec();
+    bytes.extend(999u32.to_le_bytes());
+    std::fs::write(art.join("plan.bin"), &bytes).unwrap();
+    fails(&["inspect", s(&art)], &["format version 999", "recompile"]);
+    let good = scratch("good");
+    ok(&["compile", s(tiny()), "--target", "cpu", "-o", s(&good)]);
+    let mut plan = std::fs::read(good.join("plan.bin")).unwrap();
+    plan.truncate(plan.len() / 2);
+    std::fs::write(art.join("plan.bin"), &plan).unwrap();
+    fails(&["inspect", s(&art)], &["corrupt plan"]);
+}
+
+#[test]
+fn inspect_reports_memory_programs_and_sharding() {
+    let art = scratch("inspect").join("plan");
+    ok(&["compile", s(tiny()), "--target", "cpu", "--tp", "4", "--decode-batches", "1,3", "--prefill-chunk", "64", "-o", s(&art)]);
+    let text = String::from_utf8(ok(&["inspect", s(&art)]).stdout).unwrap();
+    for needle in ["routed experts", "KV cache", "headroom", "decode_3", "prefill_64", "prefill_16", "DSA indexer", "replicated", "why:"] {
+        assert!(text.contains(needle), "inspect lacks {needle:?}:\n{text}");
+    }
+    let j = inspect_json(&art);
+    let names: Vec<&str> = j["programs"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["prefill_16", "prefill_64", "decode_1", "decode_3"]);
+    // Liveness reuse: the workspace is far smaller than all buffers laid end to end.
+    let plan = kiln_runtime::plan::read_plan(&art).unwrap();
+    let p = plan.prefill_program(64).unwrap();
+    let total: u64 = p.buffers.iter().map(|b| b.bytes).sum();
+    assert!(p.workspace_bytes * 4 < total, "workspace {} vs sum of buffers {total}", p.workspace_bytes);
+}
