@@ -3,8 +3,10 @@
 //! The runtime owns the plan schema (`plan`): the compiler produces it, the backends consume it.
 //! Data flows one way: checkpoint -> compiler -> artifact -> runtime -> engine -> server.
 
+pub mod engine;
 pub mod numerics;
 pub mod plan;
+pub mod rng;
 pub mod safetensors;
 
 pub use plan::{Plan, PlanError, FORMAT_VERSION};

@@ -4,7 +4,6 @@
 //! shards whose data regions are sparse holes (compile the real geometry without 440 GB of disk).
 
 mod layout;
-mod rng;
 pub mod tokenizer;
 mod write;
 

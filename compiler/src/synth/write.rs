@@ -1,7 +1,7 @@
 //! Writes synthetic checkpoints: shards, index, and (for `tiny`) deterministic random data.
 
 use super::layout::{checkpoint_tensors, Nvfp4Part, SynthSpec, SynthTensor, TensorInit};
-use super::rng::{tensor_seed, Rng};
+use kiln_runtime::rng::{tensor_seed, Rng};
 use super::SynthReport;
 use crate::checkpoint::safetensors::{write_file, TensorToWrite};
 use crate::checkpoint::INDEX_FILE;

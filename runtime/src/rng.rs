@@ -1,5 +1,6 @@
-//! A tiny deterministic generator (SplitMix64): synthetic checkpoints must be byte-identical
-//! on every machine, so no platform or crate-version dependent randomness.
+//! A tiny deterministic generator (SplitMix64): synthetic checkpoints must be byte-identical on
+//! every machine and seeded sampling reproducible, so no platform or crate-version dependent
+//! randomness.
 
 pub struct Rng(u64);
 

@@ -1,0 +1,3 @@
+//! The engine layer: what turns a runnable plan into text generation (sampling, tokenizer).
+
+pub mod sampling;
