@@ -1,0 +1,61 @@
+//! The checkpoint's tokenizer (`tokenizer.json`, copied into the artifact) with incremental
+//! detokenisation for streaming.
+
+use std::path::Path;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("{path}: cannot load the tokenizer: {message}")]
+    Load { path: String, message: String },
+    #[error("tokenizer: {0}")]
+    Codec(String),
+}
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+}
+
+impl Tokenizer {
+    /// Loads `dir/tokenizer.json`.
+    pub fn from_dir(dir: &Path) -> Result<Tokenizer, TokenizerError> {
+        let path = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| TokenizerError::Load { path: path.display().to_string(), message: e.to_string() })?;
+        Ok(Tokenizer { inner })
+    }
+
+    /// Token ids of `text`; special tokens written in the text (e.g. `<|user|>`) are recognised.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self.inner.encode(text, false).map_err(|e| TokenizerError::Codec(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        self.inner.decode(ids, false).map_err(|e| TokenizerError::Codec(e.to_string()))
+    }
+
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+}
+
+/// Turns a growing token sequence into text deltas, holding back incomplete UTF-8 (a byte-level
+/// token can end in the middle of a character).
+#[derive(Default)]
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    emitted: usize,
+}
+
+impl StreamDecoder {
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, TokenizerError> {
+        self.ids.push(id);
+        let text = tok.decode(&self.ids)?;
+        if text.ends_with('\u{FFFD}') || text.len() < self.emitted || !text.is_char_boundary(self.emitted) {
+            return Ok(String::new());
+        }
+        let delta = text[self.emitted..].to_string();
+        self.emitted = text.len();
+        Ok(delta)
+    }
+}
