@@ -149,6 +149,38 @@ def check_case(case_dir: str) -> tuple[bool, str]:
     return ok, f"{os.path.basename(case_dir)}: {qdesc}, {ids.shape[0]} ids: " + "; ".join(parts)
 
 
+def check_vectors(case_dir: str) -> tuple[bool, str]:
+    """Bit-exact edge cases of the activation fake quantiser and the weight quantiser."""
+    t = npref.read_safetensors(os.path.join(case_dir, "golden.safetensors"))
+    x, s = t["act_x"].f32(), t["act_input_scale"].f32()
+    bad = []
+    for r in range(x.shape[0]):
+        inv = np.float32(1.0) / s[r]
+        xb = x[r].reshape(-1, npref.GROUP)
+        sf = npref.e4m3_round((inv * np.abs(xb).max(-1, keepdims=True)) / np.float32(6.0))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(sf > 0, (xb * inv) / sf, np.float32(0.0)).astype(np.float32)
+        if not np.array_equal(sf[:, 0], t["act_block_scale"].f32()[r]):
+            bad.append(f"act row {r}: block scale")
+        if not np.array_equal(npref.e2m1_code(q).reshape(-1), t["act_codes"].raw[r]):
+            bad.append(f"act row {r}: codes")
+        if not np.array_equal(npref.fake_quant(x[r], s[r]), t["act_x_hat"].f32()[r]):
+            bad.append(f"act row {r}: x_hat")
+    q = npref.quantize_nvfp4(t["w"].f32())
+    if not np.array_equal(q["weight"], t["weight"].raw):
+        bad.append("weight codes")
+    if not np.array_equal(q["weight_scale"], t["weight_scale"].f32()):
+        bad.append("weight_scale")
+    if q["weight_scale_2"] != t["weight_scale_2"].f32():
+        bad.append("weight_scale_2")
+    deq = npref.dequant_nvfp4(t["weight"], t["weight_scale"], t["weight_scale_2"])
+    if not np.array_equal(deq, t["w_dequant"].f32()):
+        bad.append("w_dequant")
+    line = (f"nvfp4_vectors: {x.shape[0]} activation rows, weight {tuple(t['w'].shape)}: "
+            + ("bit exact" if not bad else "MISMATCH " + ", ".join(bad)))
+    return not bad, line
+
+
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.normpath(os.path.join(here, "..", "goldens"))
@@ -157,7 +189,10 @@ def main():
     passed = failed = 0
     for c in cases:
         try:
-            ok, line = check_case(os.path.join(root, c))
+            d = os.path.join(root, c)
+            with open(os.path.join(d, "golden.json")) as f:
+                kind = json.load(f).get("kind", "model")
+            ok, line = check_vectors(d) if kind == "vectors" else check_case(d)
         except Exception as e:  # report and go on with the other cases
             ok, line = False, f"{c}: error: {type(e).__name__}: {e}"
             traceback.print_exc()
