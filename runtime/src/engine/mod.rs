@@ -1,4 +1,7 @@
-//! The engine layer: what turns a runnable plan into text generation (sampling, tokenizer).
+//! The engine layer: what turns a runnable plan into text generation.
 
+pub mod forward;
+pub mod pages;
 pub mod sampling;
+pub mod scheduler;
 pub mod tokenizer;
