@@ -79,7 +79,7 @@ fn reference(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerationRequest {
-    GenerationRequest { prompt, max_tokens, sampling: SamplingParams::default(), stop_ids: vec![], ignore_eos: false }
+    GenerationRequest { prompt, max_tokens, sampling: SamplingParams::default(), stop_ids: vec![], ignore_eos: false, forced: None }
 }
 
 fn collect(rx: &mpsc::Receiver<Event>) -> (Vec<u32>, Option<FinishReason>, Option<String>) {
@@ -184,6 +184,14 @@ fn stop_tokens_and_rejections() {
     let (_, _, err) = collect(&rx);
     assert!(err.unwrap().contains("KV pages"));
     wait_for_zero_pages(&engine);
+
+    // The test hook replaces sampling, then stops.
+    let (sink, rx) = channel_sink();
+    let mut forced = request(vec![1, 2], 10);
+    forced.forced = Some(vec![7, 8, 9]);
+    engine.submit(forced, sink).unwrap();
+    let (toks, reason, _) = collect(&rx);
+    assert_eq!((toks, reason), (vec![7, 8, 9], Some(FinishReason::Stop)));
 
     let full = start(Box::new(Fake { cache: HashMap::new(), pages: 8 }), 0);
     let (sink, _rx) = channel_sink();

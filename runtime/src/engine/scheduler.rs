@@ -21,6 +21,9 @@ pub struct GenerationRequest {
     pub stop_ids: Vec<u32>,
     /// Keep generating through stop ids (used by tests and benchmarks).
     pub ignore_eos: bool,
+    /// Test hook: emit these tokens instead of sampling (the forward passes still run), then
+    /// stop as if an eos token came. Lets parser tests drive the real serving path.
+    pub forced: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,6 +137,15 @@ struct Sequence {
     limit: usize,
 }
 
+impl Sequence {
+    fn next_token(&mut self, logits: &[f32]) -> u32 {
+        match &self.request.forced {
+            Some(forced) => forced.get(self.generated).copied().unwrap_or(u32::MAX),
+            None => self.sampler.sample(logits),
+        }
+    }
+}
+
 /// Starts the engine thread over `model`. `max_waiting` bounds the queue (429 beyond it).
 pub fn start(model: Box<dyn Forward>, max_waiting: usize) -> EngineHandle {
     let limits = Limits {
@@ -230,7 +242,7 @@ impl Engine {
             Ok(logits) => {
                 s.cached = end;
                 if end == s.request.prompt.len() {
-                    let token = s.sampler.sample(&logits);
+                    let token = s.next_token(&logits);
                     if !self.emit(i, token) {
                         self.finish(i, None);
                     }
@@ -261,7 +273,7 @@ impl Engine {
                     for (row, &i) in batch.iter().enumerate() {
                         let s = &mut self.running[i];
                         s.cached += 1;
-                        let token = s.sampler.sample(&logits[row * self.logits_row..(row + 1) * self.logits_row]);
+                        let token = s.next_token(&logits[row * self.logits_row..(row + 1) * self.logits_row]);
                         if !self.emit(i, token) {
                             done.push(i);
                         }
@@ -284,7 +296,8 @@ impl Engine {
     /// Records a sampled token; false when the sequence is over (finished or cancelled).
     fn emit(&mut self, i: usize, token: u32) -> bool {
         let s = &mut self.running[i];
-        let is_stop = !s.request.ignore_eos && s.request.stop_ids.contains(&token);
+        // u32::MAX: the forced output is exhausted.
+        let is_stop = token == u32::MAX || (!s.request.ignore_eos && s.request.stop_ids.contains(&token));
         if is_stop {
             let prompt_tokens = s.request.prompt.len();
             (s.sink)(Event::Finished { reason: FinishReason::Stop, prompt_tokens, completion_tokens: s.generated });
