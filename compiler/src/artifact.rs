@@ -15,7 +15,7 @@ pub const COPIED_FILES: [&str; 5] =
 /// omitted while that directory exists.
 pub fn write_artifact(out: &Path, plan: &Plan, checkpoint_dir: &Path) -> Result<Vec<String>, CompileError> {
     std::fs::create_dir_all(out).map_err(CompileError::io(out))?;
-    write_plan(out, plan).map_err(|e| CompileError::Io { path: out.join("plan.bin"), source: std::io::Error::other(e.to_string()) })?;
+    write_plan(out, plan).map_err(|e| CompileError::Io { path: out.join("plan.bin"), error: std::io::Error::other(e.to_string()) })?;
     let mut copied = Vec::new();
     for name in COPIED_FILES {
         let src = checkpoint_dir.join(name);

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum CompileError {
     // ---- the input is at fault ----
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path}: malformed JSON: {message}")]
     Json { path: PathBuf, message: String },
     #[error("{path}: field `{field}`: {message}")]
@@ -58,7 +58,7 @@ pub enum CompileError {
 impl CompileError {
     pub fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> CompileError {
         let path = path.into();
-        move |source| CompileError::Io { path, source }
+        move |error| CompileError::Io { path, error }
     }
 
     /// True when kiln itself, not the input, is at fault.

@@ -19,7 +19,6 @@ pub use error::CompileError;
 use checkpoint::Checkpoint;
 use kiln_runtime::plan::{MoeParallel, Parallelism, Plan, FORMAT_VERSION};
 use passes::{memory, shard, specialize, verify};
-use sha2::{Digest, Sha256};
 
 #[derive(Debug, Clone)]
 pub struct CompileOptions {
@@ -139,18 +138,8 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
     Ok(Compiled { plan, warnings })
 }
 
-/// SHA-256 over (name, dtype, shape) of every bound tensor, in plan order.
+/// SHA-256 over (name, dtype, shape) of every bound tensor, in plan order (the runtime computes
+/// the same over the user's weights to refuse foreign ones).
 pub fn fingerprint(tensors: &[kiln_runtime::plan::TensorInfo]) -> String {
-    let mut h = Sha256::new();
-    for t in tensors {
-        h.update(t.name.as_bytes());
-        h.update([0]);
-        h.update(t.dtype.safetensors_name().as_bytes());
-        h.update([0]);
-        for d in &t.shape {
-            h.update((*d as u64).to_le_bytes());
-        }
-        h.update([0xff]);
-    }
-    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    kiln_runtime::plan::fingerprint(tensors)
 }

@@ -76,10 +76,10 @@ pub fn e2m1_to_f32(code: u8) -> f32 {
 }
 
 /// f32 to FP4 E2M1, round to nearest with ties to the even code, saturating at +-6
-/// (`cvt.rn.satfinite.e2m1x2.f32`). NaN becomes 0.
+/// (`cvt.rn.satfinite.e2m1x2.f32`). NaN becomes +6 (MAX_NORM), as the PTX ISA specifies.
 pub fn f32_to_e2m1(x: f32) -> u8 {
     if x.is_nan() {
-        return 0;
+        return 0x7;
     }
     let sign = if x.is_sign_negative() { 0x8 } else { 0 };
     let a = x.abs();
@@ -176,6 +176,7 @@ mod tests {
             assert_eq!(e2m1_to_f32(f32_to_e2m1(x)), want, "{x}");
             assert_eq!(e2m1_to_f32(f32_to_e2m1(-x)), -want, "-{x}");
         }
+        assert_eq!(f32_to_e2m1(f32::NAN), 0x7, "satfinite NaN is +MAX_NORM");
     }
 
     #[test]

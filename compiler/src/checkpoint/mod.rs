@@ -42,7 +42,7 @@ impl Checkpoint {
         if !dir.is_dir() {
             return Err(CompileError::Io {
                 path: dir.to_path_buf(),
-                source: std::io::Error::new(std::io::ErrorKind::NotFound, "checkpoint directory not found"),
+                error: std::io::Error::new(std::io::ErrorKind::NotFound, "checkpoint directory not found"),
             });
         }
         let config_path = dir.join("config.json");

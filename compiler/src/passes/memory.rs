@@ -138,6 +138,7 @@ pub fn plan_memory(
             bytes_per_token: per_token,
             max_seqs: req.max_seqs,
             pages_per_seq,
+            max_context: req.max_context,
         },
     })
 }

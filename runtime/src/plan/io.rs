@@ -7,8 +7,8 @@ const MAGIC: &[u8; 8] = b"KILNPLAN";
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path}: not a kiln plan (bad magic bytes); expected a file written by `kiln compile`")]
     NotAPlan { path: PathBuf },
     #[error(
@@ -29,7 +29,7 @@ pub fn write_plan(dir: &Path, plan: &Plan) -> Result<(), PlanError> {
     let path = dir.join(PLAN_FILE);
     let body = bincode::serde::encode_to_vec(plan, bincode_config())
         .map_err(|e| PlanError::Corrupt { path: path.clone(), message: e.to_string() })?;
-    let io = |source| PlanError::Io { path: path.clone(), source };
+    let io = |error| PlanError::Io { path: path.clone(), error };
     let mut file = std::fs::File::create(&path).map_err(io)?;
     file.write_all(MAGIC).map_err(io)?;
     file.write_all(&plan.format_version.to_le_bytes()).map_err(io)?;
@@ -40,7 +40,7 @@ pub fn write_plan(dir: &Path, plan: &Plan) -> Result<(), PlanError> {
 /// Load `dir/plan.bin`, refusing other format versions before decoding anything else.
 pub fn read_plan(dir: &Path) -> Result<Plan, PlanError> {
     let path = dir.join(PLAN_FILE);
-    let bytes = std::fs::read(&path).map_err(|source| PlanError::Io { path: path.clone(), source })?;
+    let bytes = std::fs::read(&path).map_err(|error| PlanError::Io { path: path.clone(), error })?;
     if bytes.len() < 12 || &bytes[..8] != MAGIC {
         return Err(PlanError::NotAPlan { path });
     }

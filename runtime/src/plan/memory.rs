@@ -18,6 +18,8 @@ pub struct KvLayout {
     /// Largest number of sequences resident at once (the largest decode batch).
     pub max_seqs: usize,
     pub pages_per_seq: usize,
+    /// The longest sequence the plan serves (`--max-context`), in tokens.
+    pub max_context: usize,
 }
 
 impl KvLayout {

@@ -18,14 +18,14 @@ pub use op::{AttentionForm, Epilogue, LinearPart, LinearWeights, Op, RouterParam
 pub use program::{BufId, Buffer, Dim, KernelFamily, Program, ProgramInputs, ProgramKind, Step};
 pub use target::{Arch, Target};
 pub use weights::{
-    MoeParallel, Parallelism, ShardChoice, Shard, TensorChoice, TensorInfo, Transform, WeightId,
+    fingerprint, MoeParallel, Parallelism, ShardChoice, Shard, TensorChoice, TensorInfo, Transform, WeightId,
     WeightKind, WeightSlot, WeightSource,
 };
 
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever the serialized layout of [`Plan`] changes; the runtime refuses other versions.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 /// A compiled model for one target: the unit the runtime loads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -19,6 +19,24 @@ impl TensorInfo {
     }
 }
 
+/// Hex SHA-256 over (name, dtype, shape) of `tensors`, in order: `Plan::fingerprint` is this over
+/// `Plan::tensors`; the runtime recomputes it over the user's headers to say how they differ.
+pub fn fingerprint(tensors: &[TensorInfo]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for t in tensors {
+        h.update(t.name.as_bytes());
+        h.update([0]);
+        h.update(t.dtype.safetensors_name().as_bytes());
+        h.update([0]);
+        for d in &t.shape {
+            h.update((*d as u64).to_le_bytes());
+        }
+        h.update([0xff]);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// What a weight is, for the per-GPU memory report.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum WeightKind {

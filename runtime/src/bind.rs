@@ -1,0 +1,299 @@
+//! Weight binding: map the checkpoint's safetensors files, check every tensor the plan binds
+//! against their headers (refusing foreign or edited weights, naming the first culprit), then fill
+//! each rank's weights arena by slicing every source per its `Shard` into its slot.
+
+use crate::error::{RuntimeError, TensorMismatch};
+use crate::plan::{fingerprint, DType, Plan, Shard, TensorInfo, Transform, WeightSlot};
+use crate::safetensors::{read_header, TensorHeader};
+use memmap2::Mmap;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+pub const SINGLE_FILE: &str = "model.safetensors";
+
+/// A checkpoint directory with its safetensors files memory-mapped.
+pub struct CheckpointFiles {
+    pub dir: PathBuf,
+    /// File names relative to `dir`, sorted, and their maps.
+    files: Vec<(String, Mmap)>,
+    /// tensor name -> (file index, header).
+    tensors: HashMap<String, (usize, TensorHeader)>,
+}
+
+impl CheckpointFiles {
+    /// Maps every shard listed in `model.safetensors.index.json`, else the single `model.safetensors`.
+    pub fn open(dir: &Path) -> Result<CheckpointFiles, RuntimeError> {
+        if !dir.is_dir() {
+            return Err(RuntimeError::Io {
+                path: dir.to_path_buf(),
+                error: std::io::Error::new(std::io::ErrorKind::NotFound, "weights directory not found"),
+            });
+        }
+        let names = shard_files(dir)?;
+        let mut files = Vec::with_capacity(names.len());
+        let mut tensors = HashMap::new();
+        for (index, name) in names.into_iter().enumerate() {
+            let path = dir.join(&name);
+            for (tensor, header) in read_header(&path)? {
+                if let Some((other, _)) = tensors.insert(tensor.clone(), (index, header)) {
+                    let other: &(String, Mmap) = &files[other];
+                    return Err(RuntimeError::Manifest {
+                        path,
+                        message: format!("tensor `{tensor}` also appears in {}", other.0),
+                    });
+                }
+            }
+            let file = std::fs::File::open(&path).map_err(RuntimeError::io(&path))?;
+            // SAFETY: the map is read-only; like every mmap user we rely on nobody truncating the
+            // checkpoint while kiln binds it (the headers were validated against the file size).
+            let map = unsafe { Mmap::map(&file) }.map_err(RuntimeError::io(&path))?;
+            files.push((name, map));
+        }
+        Ok(CheckpointFiles { dir: dir.to_path_buf(), files, tensors })
+    }
+
+    fn looked_in(&self) -> String {
+        if self.files.len() == 1 {
+            self.dir.join(&self.files[0].0).display().to_string()
+        } else {
+            format!("{} shards of {}", self.files.len(), self.dir.display())
+        }
+    }
+
+    /// The tensor's header and the file it lives in.
+    pub fn header(&self, name: &str) -> Option<(&str, &TensorHeader)> {
+        self.tensors.get(name).map(|(f, h)| (self.files[*f].0.as_str(), h))
+    }
+
+    /// The raw bytes of a tensor.
+    pub fn data(&self, name: &str) -> Option<&[u8]> {
+        let (f, h) = self.tensors.get(name)?;
+        self.files[*f].1.get(h.data_start as usize..h.data_end as usize)
+    }
+
+    /// Checks every tensor of the plan (name, dtype, shape) against the headers; the error names
+    /// the first mismatch in plan order, expected vs found, and both fingerprints.
+    pub fn check(&self, plan: &Plan) -> Result<(), RuntimeError> {
+        let found: Vec<TensorInfo> = plan
+            .tensors
+            .iter()
+            .map(|t| match self.header(&t.name) {
+                Some((_, h)) => TensorInfo {
+                    name: t.name.clone(),
+                    dtype: h.dtype().unwrap_or(t.dtype),
+                    shape: h.shape.clone(),
+                },
+                None => t.clone(),
+            })
+            .collect();
+        for t in &plan.tensors {
+            let Some((file, h)) = self.header(&t.name) else {
+                return Err(RuntimeError::MissingTensor {
+                    tensor: t.name.clone(),
+                    looked_in: self.looked_in(),
+                    fingerprint: short(&plan.fingerprint),
+                });
+            };
+            if h.dtype() != Some(t.dtype) || h.shape != t.shape {
+                return Err(RuntimeError::TensorMismatch(Box::new(TensorMismatch {
+                    tensor: t.name.clone(),
+                    file: self.dir.join(file).display().to_string(),
+                    expected_dtype: t.dtype,
+                    expected_shape: t.shape.clone(),
+                    found_dtype: h.dtype.clone(),
+                    found_shape: h.shape.clone(),
+                    fingerprint: short(&plan.fingerprint),
+                    found_fingerprint: short(&fingerprint(&found)),
+                })));
+            }
+        }
+        if fingerprint(&plan.tensors) != plan.fingerprint {
+            return Err(RuntimeError::Manifest {
+                path: PathBuf::from("plan.bin"),
+                message: "the plan's fingerprint does not match its own tensor table (corrupt plan)".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The first 16 hex digits, as `kiln inspect` shows fingerprints.
+fn short(fingerprint: &str) -> String {
+    fingerprint.chars().take(16).collect()
+}
+
+/// The shard files: the values of the index's weight_map, else the single `model.safetensors`.
+fn shard_files(dir: &Path) -> Result<Vec<String>, RuntimeError> {
+    let index = dir.join(INDEX_FILE);
+    if index.exists() {
+        let text = std::fs::read_to_string(&index).map_err(RuntimeError::io(&index))?;
+        let bad = |message: String| RuntimeError::Manifest { path: index.clone(), message };
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("malformed JSON: {e}")))?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| bad("`weight_map` is missing or not an object".into()))?;
+        let mut files = Vec::new();
+        for (tensor, file) in map {
+            let file = file.as_str().ok_or_else(|| bad(format!("weight_map entry `{tensor}` is not a file name")))?;
+            if file.contains('/') || file.contains('\\') || file.contains("..") {
+                return Err(bad(format!("shard name {file:?} must be a plain file name in the checkpoint directory")));
+            }
+            files.push(file.to_string());
+        }
+        files.sort();
+        files.dedup();
+        return Ok(files);
+    }
+    if dir.join(SINGLE_FILE).exists() {
+        return Ok(vec![SINGLE_FILE.to_string()]);
+    }
+    Err(RuntimeError::NoWeights { dir: dir.to_path_buf() })
+}
+
+/// One rank's weights arena: `plan.memory.weights` bytes, every slot filled.
+pub type Arena = Vec<u8>;
+
+/// Checks the weights against the plan and builds every rank's arena. Shows a progress bar on a
+/// terminal when `progress` is set.
+pub fn bind(plan: &Plan, weights_dir: &Path, progress: bool) -> Result<Vec<Arena>, RuntimeError> {
+    let files = CheckpointFiles::open(weights_dir)?;
+    files.check(plan)?;
+    let ranks = plan.ranks();
+    let total: u64 = plan.weights.iter().map(|s| s.bytes).sum::<u64>() * ranks as u64;
+    let bar = if progress {
+        let bar = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
+        if let Ok(style) = indicatif::ProgressStyle::with_template("binding weights {bar:40} {bytes}/{total_bytes} {msg}") {
+            bar.set_style(style);
+        }
+        bar
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let arena_bytes = plan.memory.weights;
+    check_host_memory(arena_bytes.saturating_mul(ranks as u64), ranks)?;
+    let mut arenas = Vec::with_capacity(ranks);
+    for rank in 0..ranks {
+        let mut arena = Vec::new();
+        arena.try_reserve_exact(arena_bytes as usize).map_err(|_| RuntimeError::Unsupported {
+            message: format!("cannot allocate the {} weights arena of rank {rank} in host memory", human(arena_bytes)),
+        })?;
+        arena.resize(arena_bytes as usize, 0u8);
+        for slot in &plan.weights {
+            fill_slot(plan, &files, slot, rank, &mut arena)?;
+            bar.inc(slot.bytes);
+        }
+        arenas.push(arena);
+    }
+    bar.finish_and_clear();
+    Ok(arenas)
+}
+
+/// The CPU backend keeps every rank's weights in host memory: refuse up front, naming the
+/// numbers, when they cannot fit (rather than being killed half way through binding).
+fn check_host_memory(needed: u64, ranks: usize) -> Result<(), RuntimeError> {
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024)
+    });
+    match available {
+        Some(avail) if needed > avail => Err(RuntimeError::Unsupported {
+            message: format!(
+                "the CPU backend needs {} of host memory for the weights of {ranks} rank(s), {} is available; \
+                 this plan is too large to run on the CPU (use a GPU backend or a smaller model)",
+                human(needed),
+                human(avail)
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn human(bytes: u64) -> String {
+    const GIB: f64 = (1u64 << 30) as f64;
+    if bytes >= 1 << 30 {
+        format!("{:.2} GiB", bytes as f64 / GIB)
+    } else {
+        format!("{:.2} MiB", bytes as f64 / (1u64 << 20) as f64)
+    }
+}
+
+fn fill_slot(plan: &Plan, files: &CheckpointFiles, slot: &WeightSlot, rank: usize, arena: &mut [u8]) -> Result<(), RuntimeError> {
+    let slot_end = slot.offset.checked_add(slot.bytes).filter(|&e| e <= arena.len() as u64).ok_or_else(|| {
+        RuntimeError::internal(format!("slot `{}` ({} bytes at {}) lies outside the weights arena", slot.name, slot.bytes, slot.offset))
+    })?;
+    let region = &mut arena[slot.offset as usize..slot_end as usize];
+    for src in &slot.sources {
+        let index = src.tensor.for_rank(rank) as usize;
+        let info = plan
+            .tensors
+            .get(index)
+            .ok_or_else(|| RuntimeError::internal(format!("slot `{}` names tensor {index}, the plan has {}", slot.name, plan.tensors.len())))?;
+        let data = files
+            .data(&info.name)
+            .ok_or_else(|| RuntimeError::internal(format!("tensor `{}` vanished after the check", info.name)))?;
+        let Transform::Identity = src.transform;
+        let dst = src.dst_offset as usize;
+        let piece = copy_shard(data, info, src.shard, rank, region.get_mut(dst..).unwrap_or_default())
+            .map_err(|m| RuntimeError::internal(format!("slot `{}` from `{}`: {m}", slot.name, info.name)))?;
+        if dst + piece > region.len() {
+            return Err(RuntimeError::internal(format!("slot `{}`: piece from `{}` overruns the slot", slot.name, info.name)));
+        }
+    }
+    Ok(())
+}
+
+/// Copies rank `rank`'s part of a row-major tensor into the front of `dst`; returns its bytes.
+pub fn copy_shard(data: &[u8], info: &TensorInfo, shard: Shard, rank: usize, dst: &mut [u8]) -> Result<usize, String> {
+    let elem = info.dtype.size();
+    match shard {
+        Shard::Whole => {
+            let n = data.len();
+            dst.get_mut(..n).ok_or("the slot is too small")?.copy_from_slice(data);
+            Ok(n)
+        }
+        Shard::Split { dim, parts } => {
+            let (dim, parts) = (dim as usize, parts as usize);
+            let size = *info.shape.get(dim).ok_or_else(|| format!("split dim {dim} of a {}-d tensor", info.shape.len()))?;
+            if parts == 0 || size % parts != 0 || rank >= parts {
+                return Err(format!("dim {dim} of size {size} cannot be split in {parts} parts for rank {rank}"));
+            }
+            let outer: usize = info.shape[..dim].iter().product();
+            let inner: usize = info.shape[dim + 1..].iter().product::<usize>() * elem;
+            // NVFP4 packs two values per byte along the last dim: the split is over bytes (U8).
+            debug_assert!(info.dtype != DType::U8 || elem == 1);
+            let chunk = size / parts * inner;
+            let total = outer * chunk;
+            let dst = dst.get_mut(..total).ok_or("the slot is too small")?;
+            for o in 0..outer {
+                let src = o * size * inner + rank * chunk;
+                dst[o * chunk..(o + 1) * chunk].copy_from_slice(&data[src..src + chunk]);
+            }
+            Ok(total)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_takes_the_ranks_block_along_the_dim() {
+        // [2, 4] u8 tensor: rows 0..2, cols 0..4.
+        let data: Vec<u8> = (0..8).collect();
+        let info = TensorInfo { name: "t".into(), dtype: DType::U8, shape: vec![2, 4] };
+        let mut dst = [0u8; 4];
+        assert_eq!(copy_shard(&data, &info, Shard::Split { dim: 1, parts: 2 }, 1, &mut dst), Ok(4));
+        assert_eq!(dst, [2, 3, 6, 7]);
+        assert_eq!(copy_shard(&data, &info, Shard::Split { dim: 0, parts: 2 }, 1, &mut dst), Ok(4));
+        assert_eq!(dst, [4, 5, 6, 7]);
+        let bf = TensorInfo { name: "b".into(), dtype: DType::BF16, shape: vec![2, 2] };
+        let mut d2 = [0u8; 4];
+        assert_eq!(copy_shard(&data, &bf, Shard::Split { dim: 1, parts: 2 }, 0, &mut d2), Ok(4));
+        assert_eq!(d2, [0, 1, 4, 5]);
+        assert!(copy_shard(&data, &info, Shard::Split { dim: 1, parts: 3 }, 0, &mut dst).is_err());
+    }
+}

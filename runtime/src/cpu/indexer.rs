@@ -1,0 +1,135 @@
+//! DSA lightning indexer: cache write of the indexer key and top-k selection of past positions.
+
+use super::kv_cache::{slot_of, KvCache};
+use super::linear::dot;
+use super::norm::layer_norm_row;
+use super::rope::Rope;
+use super::{scratch, Tokens};
+use rayon::prelude::*;
+
+/// Stores `RoPE(LayerNorm(k))` (RoPE on the first rope-dim values) of every token that has a
+/// cache slot.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn key_write(k: &[f32], norm: &[f32], bias: &[f32], eps: f32, tokens: &Tokens, cache: &mut KvCache, layer: usize, rope: &Rope) {
+    let d = cache.index_dim;
+    let round = cache.round;
+    for t in 0..tokens.count() {
+        let Some(slot) = tokens.slot(t) else { continue };
+        let dst = cache.index_mut(layer, slot);
+        layer_norm_row(&k[t * d..(t + 1) * d], norm, bias, eps, dst);
+        rope.apply(&mut dst[..rope.dim()], tokens.positions[t]);
+        dst.iter_mut().for_each(|v| *v = round.apply(*v));
+    }
+}
+
+/// For each token: score every cached position `j <= pos` of its sequence with
+/// `sum_h (w[h] / sqrt(H)) * relu(q_h . k_j) / sqrt(D)` (q_h with RoPE on its first rope-dim
+/// values) and write the `min(topk, pos + 1)` best positions, best first (ties: lower position
+/// first), padded with -1. When every position fits, all are selected in order without scoring.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn top_k(q: &[f32], w: &[f32], heads: usize, tokens: &Tokens, cache: &KvCache, layer: usize, rope: &Rope, topk: usize, out: &mut [i32]) {
+    let d = cache.index_dim;
+    let head_scale = (heads as f32).powf(-0.5);
+    let dim_scale = (d as f32).powf(-0.5);
+    let task = |(t, row): (usize, &mut [i32])| {
+        row.fill(-1);
+        let Some(pages) = tokens.pages(t) else { return };
+        let n = tokens.positions[t] as usize + 1;
+        if n <= topk {
+            row.iter_mut().zip(0..n as i32).for_each(|(o, j)| *o = j);
+            return;
+        }
+        scratch::with_f32(heads * d, |qr| {
+            qr.copy_from_slice(&q[t * heads * d..(t + 1) * heads * d]);
+            for qh in qr.chunks_exact_mut(d) {
+                rope.apply(&mut qh[..rope.dim()], tokens.positions[t]);
+            }
+            let wt = &w[t * heads..(t + 1) * heads];
+            scratch::with_pairs(n, |scores| {
+                let mut m = 0;
+                for j in 0..n {
+                    let Some(slot) = slot_of(pages, cache.page_size, j) else { continue };
+                    let kj = cache.index(layer, slot);
+                    let mut s = 0f32;
+                    for (qh, &wh) in qr.chunks_exact(d).zip(wt) {
+                        s += (wh * head_scale) * (dot(qh, kj).max(0.0) * dim_scale);
+                    }
+                    scores[m] = (s, j as u32);
+                    m += 1;
+                }
+                let scores = &mut scores[..m];
+                let better = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+                let k = topk.min(m);
+                if k == 0 {
+                    return;
+                }
+                if k < m {
+                    scores.select_nth_unstable_by(k - 1, better);
+                }
+                scores[..k].sort_unstable_by(better);
+                for (o, s) in row.iter_mut().zip(&scores[..k]) {
+                    *o = s.1 as i32;
+                }
+            })
+        })
+    };
+    if tokens.count() > 1 {
+        out.par_chunks_mut(topk).enumerate().for_each(task);
+    } else {
+        out.chunks_mut(topk).enumerate().for_each(task);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::Round;
+    use crate::plan::{DType, KvLayout};
+
+    /// One head, dim 4 (rope dim 2): keys chosen so scores tie, to pin the tie rule.
+    #[test]
+    fn top_k_prefers_higher_scores_then_lower_positions() {
+        let kv = KvLayout {
+            dtype: DType::F32,
+            layers: 1,
+            latent_dim: 2,
+            rope_dim: 2,
+            index_dim: 4,
+            page_size: 4,
+            pages: 2,
+            bytes_per_token: 0,
+            max_seqs: 1,
+            pages_per_seq: 2,
+            max_context: 8,
+        };
+        let mut cache = KvCache::new(&kv, Round::NONE);
+        cache.reserve(8).unwrap();
+        // Position j lives in page 1 - j / 4 (pages out of order, to exercise the page table).
+        let page_table = [1, 0];
+        // q = [0, 0, 1, 0]: the score is relu(k[2]); rope dims (0, 1) are zero in q, so RoPE is moot.
+        let k2 = [0.5, -1.0, 2.0, 0.5, 2.0, 0.1];
+        for (j, &v) in k2.iter().enumerate() {
+            let slot = slot_of(&page_table, 4, j).unwrap();
+            cache.index_mut(0, slot).copy_from_slice(&[0.0, 0.0, v, 0.0]);
+        }
+        let rope = Rope::new(2, 10000.0);
+        let positions = [5];
+        let token_seq = [0];
+        let slots = [-1];
+        let tokens = Tokens { positions: &positions, token_seq: &token_seq, slots: &slots, page_table: &page_table, pages_per_seq: 2 };
+        let mut out = [0i32; 3];
+        top_k(&[0.0, 0.0, 1.0, 0.0], &[1.0], 1, &tokens, &cache, 0, &rope, 3, &mut out);
+        // scores: [0.5, 0, 2, 0.5, 2, 0.1] -> 2 (pos 2), 2 (pos 4), then 0.5 (pos 0 before pos 3).
+        assert_eq!(out, [2, 4, 0]);
+        // Short sequences select everything, in order.
+        let positions = [1];
+        let tokens = Tokens { positions: &positions, ..tokens };
+        top_k(&[0.0, 0.0, 1.0, 0.0], &[1.0], 1, &tokens, &cache, 0, &rope, 3, &mut out);
+        assert_eq!(out, [0, 1, -1]);
+        // Padding tokens select nothing.
+        let token_seq = [-1];
+        let tokens = Tokens { token_seq: &token_seq, ..tokens };
+        top_k(&[0.0, 0.0, 1.0, 0.0], &[1.0], 1, &tokens, &cache, 0, &rope, 3, &mut out);
+        assert_eq!(out, [-1, -1, -1]);
+    }
+}

@@ -1,0 +1,712 @@
+//! The CPU reference backend: executes a program's `Op`s step by step for every simulated
+//! tensor-parallel rank, with the collectives summing (all-reduce) or concatenating (all-gather)
+//! the ranks' buffers in fixed rank order.
+//!
+//! Numerics: every matmul accumulates in f32. In [`Precision::Bf16`] (the default) every value
+//! stored into a BF16 buffer or the KV cache is rounded to BF16 exactly there, as the GPU kernels
+//! do; [`Precision::F32`] keeps everything in f32 for comparison with fp32 references. NVFP4
+//! layers quantise their input on the fly per 16 values ([`ActQuant::W4A4`], the GPU path) or use
+//! dequantised weights with unquantised activations ([`ActQuant::W4A16`]).
+//!
+//! Each buffer is one Vec per program value (the CPU ignores the arena offsets); the Vecs, the
+//! KV cache pages and all scratch grow on first use and are reused, so steady-state decode does
+//! not allocate.
+
+mod attention;
+mod indexer;
+mod kv_cache;
+mod linear;
+mod moe;
+mod norm;
+pub mod quant;
+mod rope;
+mod router;
+mod scratch;
+mod validate;
+
+use crate::bind::Arena;
+use crate::error::RuntimeError;
+use crate::numerics::{bf16_to_f32, round_bf16};
+use crate::plan::{AttentionForm, BufId, DType, LinearWeights, Op, Plan, Program, WeightId};
+use kv_cache::KvCache;
+use linear::{Linear, LinearScratch, Matrix};
+use moe::MoeScratch;
+use rope::Rope;
+
+/// How values stored in BF16 buffers are kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    /// Every buffer and the KV cache in f32 (for fp32 references).
+    F32,
+    /// BF16 buffers and KV cache rounded to BF16 at every store, as on the GPU.
+    Bf16,
+}
+
+/// How NVFP4 layers treat their input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActQuant {
+    /// Quantise activations to NVFP4 per 16-element block (the GPU's W4A4 GEMM).
+    W4A4,
+    /// Dequantised weights times unquantised activations (the upstream bf16 reference).
+    W4A16,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuOptions {
+    pub precision: Precision,
+    pub act_quant: ActQuant,
+    /// Run every MLA attention step in this form instead of the plan's (tests the equivalence).
+    pub attention: Option<AttentionForm>,
+}
+
+impl Default for CpuOptions {
+    fn default() -> Self {
+        CpuOptions { precision: Precision::Bf16, act_quant: ActQuant::W4A4, attention: None }
+    }
+}
+
+/// Rounding applied when a value is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Round(bool);
+
+impl Round {
+    pub const NONE: Round = Round(false);
+    #[cfg(test)]
+    pub const BF16: Round = Round(true);
+
+    pub fn for_dtype(dtype: DType, precision: Precision) -> Round {
+        Round(dtype == DType::BF16 && precision == Precision::Bf16)
+    }
+
+    #[inline]
+    pub fn apply(self, x: f32) -> f32 {
+        if self.0 {
+            round_bf16(x)
+        } else {
+            x
+        }
+    }
+}
+
+/// The per-token inputs every cache-aware op reads.
+#[derive(Clone, Copy)]
+pub(crate) struct Tokens<'a> {
+    pub positions: &'a [i32],
+    pub token_seq: &'a [i32],
+    pub slots: &'a [i32],
+    pub page_table: &'a [i32],
+    pub pages_per_seq: usize,
+}
+
+impl<'a> Tokens<'a> {
+    pub fn count(&self) -> usize {
+        self.positions.len()
+    }
+
+    pub fn active(&self, t: usize) -> bool {
+        self.token_seq[t] >= 0
+    }
+
+    /// The page-table row of token `t`'s sequence (None for padding).
+    pub fn pages(&self, t: usize) -> Option<&'a [i32]> {
+        let s = usize::try_from(self.token_seq[t]).ok()?;
+        self.page_table.get(s * self.pages_per_seq..(s + 1) * self.pages_per_seq)
+    }
+
+    /// The cache slot token `t` writes (None for padding or slot -1).
+    pub fn slot(&self, t: usize) -> Option<usize> {
+        if !self.active(t) {
+            return None;
+        }
+        usize::try_from(self.slots[t]).ok()
+    }
+}
+
+/// The values of a program's input buffers for one replay (sizes as the program's buffers).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Inputs {
+    pub ids: Vec<i32>,
+    pub positions: Vec<i32>,
+    pub token_seq: Vec<i32>,
+    pub slots: Vec<i32>,
+    /// `[seqs, pages_per_seq]` row-major.
+    pub page_table: Vec<i32>,
+    pub logit_rows: Vec<i32>,
+}
+
+impl Inputs {
+    /// Resets every input to the program's sizes, all padding (ids 0, everything else -1,
+    /// positions 0). Reuses the Vecs' capacity.
+    pub fn reset(&mut self, program: &Program) {
+        let i = program.inputs;
+        let size = |b: BufId| numel(program, b);
+        for (v, b, fill) in [
+            (&mut self.ids, i.ids, 0),
+            (&mut self.positions, i.positions, 0),
+            (&mut self.token_seq, i.token_seq, -1),
+            (&mut self.slots, i.slots, -1),
+            (&mut self.page_table, i.page_table, -1),
+            (&mut self.logit_rows, i.logit_rows, -1),
+        ] {
+            v.clear();
+            v.resize(size(b), fill);
+        }
+    }
+}
+
+fn numel(p: &Program, b: BufId) -> usize {
+    p.buffer(b).shape.iter().product()
+}
+
+fn width(p: &Program, b: BufId) -> usize {
+    p.buffer(b).shape.last().copied().unwrap_or(1)
+}
+
+/// One simulated rank: its weights arena, buffers, KV cache and scratch.
+struct Rank {
+    index: usize,
+    arena: Arena,
+    /// Small F32/BF16 weights (norms, biases, NVFP4 scalars) decoded once; empty for matrices.
+    small: Vec<Vec<f32>>,
+    /// Float buffers (BF16 and F32 dtypes), one per program value.
+    f: Vec<Vec<f32>>,
+    /// I32 buffers, one per program value.
+    i: Vec<Vec<i32>>,
+    kv: KvCache,
+    lin: LinearScratch,
+    moe: MoeScratch,
+}
+
+pub struct CpuBackend {
+    plan: Plan,
+    opts: CpuOptions,
+    rope: Rope,
+    ranks: Vec<Rank>,
+    /// Collective staging.
+    staging: Vec<f32>,
+    /// The program of the last replay.
+    last: Option<usize>,
+    /// Worker threads of the kernels (one per core unless RAYON_NUM_THREADS says otherwise).
+    pool: rayon::ThreadPool,
+}
+
+/// Read-only context of one step.
+struct Cx<'a> {
+    plan: &'a Plan,
+    program: &'a Program,
+    opts: CpuOptions,
+    rope: &'a Rope,
+}
+
+impl CpuBackend {
+    /// Takes one weights arena per rank (from [`crate::bind::bind`]).
+    pub fn new(plan: Plan, arenas: Vec<Arena>, opts: CpuOptions) -> Result<CpuBackend, RuntimeError> {
+        if arenas.len() != plan.ranks() {
+            return Err(RuntimeError::internal(format!("{} weight arenas for {} ranks", arenas.len(), plan.ranks())));
+        }
+        validate::check_plan(&plan)?;
+        let values = plan.programs.iter().map(|p| p.buffers.len()).max().unwrap_or(0);
+        let kv_round = match opts.precision {
+            Precision::Bf16 => Round::for_dtype(plan.memory.kv.dtype, opts.precision),
+            Precision::F32 => Round::NONE,
+        };
+        let ranks = arenas
+            .into_iter()
+            .enumerate()
+            .map(|(index, arena)| {
+                let small = decode_small(&plan, &arena)?;
+                Ok(Rank {
+                    index,
+                    arena,
+                    small,
+                    f: vec![Vec::new(); values],
+                    i: vec![Vec::new(); values],
+                    kv: KvCache::new(&plan.memory.kv, kv_round),
+                    lin: LinearScratch::default(),
+                    moe: MoeScratch::default(),
+                })
+            })
+            .collect::<Result<Vec<_>, RuntimeError>>()?;
+        let rope = Rope::new(plan.model.qk_rope_head_dim, plan.model.rope_theta);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .thread_name(|i| format!("kiln-cpu-{i}"))
+            .build()
+            .map_err(|e| RuntimeError::Unsupported { message: format!("cannot start the CPU worker threads: {e}") })?;
+        let (f32s, pairs) = scratch_bound(&plan);
+        pool.broadcast(|_| scratch::reserve(f32s, pairs));
+        scratch::reserve(f32s, pairs);
+        Ok(CpuBackend { plan, opts, rope, ranks, staging: Vec::new(), last: None, pool })
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    pub fn options(&self) -> CpuOptions {
+        self.opts
+    }
+
+    /// A float buffer of `rank` as the last replay of a program left it (every program value has
+    /// its own storage on the CPU, so intermediate values survive the replay; for reports and
+    /// step-by-step comparison).
+    pub fn buffer_f32(&self, rank: usize, program: usize, buf: BufId) -> Option<&[f32]> {
+        let n = numel(self.plan.programs.get(program)?, buf);
+        self.ranks.get(rank)?.f.get(buf.0 as usize)?.get(..n)
+    }
+
+    /// An I32 buffer of `rank` after the last replay (see [`CpuBackend::buffer_f32`]).
+    pub fn buffer_i32(&self, rank: usize, program: usize, buf: BufId) -> Option<&[i32]> {
+        let n = numel(self.plan.programs.get(program)?, buf);
+        self.ranks.get(rank)?.i.get(buf.0 as usize)?.get(..n)
+    }
+
+    /// The program the last replay ran (its buffers are what [`CpuBackend::buffer_f32`] shows).
+    pub fn last_program(&self) -> Option<usize> {
+        self.last
+    }
+
+    /// Slots of the KV cache allocated so far (per rank).
+    pub fn kv_slots_allocated(&self) -> usize {
+        self.ranks.first().map_or(0, |r| r.kv.slots())
+    }
+
+    /// Replays program `index` with `inputs`; returns its logits `[logit_rows, vocab]`.
+    pub fn run(&mut self, index: usize, inputs: &Inputs) -> Result<&[f32], RuntimeError> {
+        let program = self
+            .plan
+            .programs
+            .get(index)
+            .ok_or_else(|| RuntimeError::internal(format!("program {index} of {}", self.plan.programs.len())))?;
+        let need = check_inputs(&self.plan, program, inputs)?;
+        self.last = Some(index);
+        let pi = program.inputs;
+        for rank in &mut self.ranks {
+            rank.kv.reserve(need)?;
+            for (b, v) in [
+                (pi.ids, &inputs.ids),
+                (pi.positions, &inputs.positions),
+                (pi.token_seq, &inputs.token_seq),
+                (pi.slots, &inputs.slots),
+                (pi.page_table, &inputs.page_table),
+                (pi.logit_rows, &inputs.logit_rows),
+            ] {
+                let dst = &mut rank.i[b.0 as usize];
+                dst.clear();
+                dst.extend_from_slice(v);
+            }
+            for (b, buf) in program.buffers.iter().enumerate() {
+                let n: usize = buf.shape.iter().product();
+                match buf.dtype {
+                    DType::I32 => grow(&mut rank.i[b], n),
+                    _ => grow(&mut rank.f[b], n),
+                }
+            }
+        }
+        let cx = Cx { plan: &self.plan, program, opts: self.opts, rope: &self.rope };
+        let (ranks, staging) = (&mut self.ranks, &mut self.staging);
+        // The whole replay runs inside the backend's pool: the kernels' parallel loops then queue
+        // their tasks on the workers' own deques instead of the global injector (cheaper, and no
+        // queue-block allocation per parallel loop).
+        self.pool.install(|| -> Result<(), RuntimeError> {
+            for (n, step) in program.steps.iter().enumerate() {
+                let at = |e: RuntimeError| match e {
+                    RuntimeError::Internal { message } => {
+                        RuntimeError::internal(format!("{} step {n} ({}): {message}", program.name, step.op.name()))
+                    }
+                    other => other,
+                };
+                match step.op {
+                    Op::AllReduce { buf } => all_reduce(ranks, staging, &cx, buf).map_err(at)?,
+                    Op::AllGather { input, out } => all_gather(ranks, staging, &cx, input, out).map_err(at)?,
+                    ref op => {
+                        for rank in ranks.iter_mut() {
+                            rank.exec(&cx, op).map_err(at)?;
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        let n = numel(program, program.logits);
+        Ok(&self.ranks[0].f[program.logits.0 as usize][..n])
+    }
+}
+
+fn grow<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
+    if v.len() < n {
+        v.resize(n, T::default());
+    }
+}
+
+/// Validates a replay's inputs; returns the number of cache slots it needs.
+fn check_inputs(plan: &Plan, p: &Program, inputs: &Inputs) -> Result<usize, RuntimeError> {
+    let bad = |what: &str, message: String| RuntimeError::input(format!("program {} input `{what}`", p.name), message);
+    let pi = p.inputs;
+    for (what, b, v) in [
+        ("ids", pi.ids, &inputs.ids),
+        ("positions", pi.positions, &inputs.positions),
+        ("token_seq", pi.token_seq, &inputs.token_seq),
+        ("slots", pi.slots, &inputs.slots),
+        ("page_table", pi.page_table, &inputs.page_table),
+        ("logit_rows", pi.logit_rows, &inputs.logit_rows),
+    ] {
+        if v.len() != numel(p, b) {
+            return Err(bad(what, format!("{} values, the program takes {}", v.len(), numel(p, b))));
+        }
+    }
+    let kv = &plan.memory.kv;
+    let page_size = kv.page_size.max(1);
+    let pages_per_seq = width(p, pi.page_table);
+    let vocab = plan.model.vocab_size;
+    let mut need = 0usize;
+    for (i, &page) in inputs.page_table.iter().enumerate() {
+        if page < -1 || page >= kv.pages as i32 {
+            return Err(bad("page_table", format!("entry {i} is page {page}; the cache has {} pages", kv.pages)));
+        }
+        if page >= 0 {
+            need = need.max((page as usize + 1) * page_size);
+        }
+    }
+    for t in 0..p.tokens {
+        let id = inputs.ids[t];
+        if id < 0 || id as usize >= vocab {
+            return Err(bad("ids", format!("token id {id} at row {t} is outside the vocabulary of {vocab}")));
+        }
+        let seq = inputs.token_seq[t];
+        if seq < -1 || seq >= p.seqs as i32 {
+            return Err(bad("token_seq", format!("row {t} names sequence {seq}; the program has {}", p.seqs)));
+        }
+        let slot = inputs.slots[t];
+        if slot < -1 || slot as i64 >= (kv.pages * page_size) as i64 {
+            return Err(bad("slots", format!("row {t} writes slot {slot}; the cache has {} slots", kv.pages * page_size)));
+        }
+        if seq < 0 {
+            continue;
+        }
+        let pos = inputs.positions[t];
+        if pos < 0 || pos as usize >= pages_per_seq * page_size {
+            return Err(bad("positions", format!("row {t} is at position {pos}; a sequence holds {}", pages_per_seq * page_size)));
+        }
+        let row = &inputs.page_table[seq as usize * pages_per_seq..(seq as usize + 1) * pages_per_seq];
+        if let Some(missing) = row[..=pos as usize / page_size].iter().position(|&pg| pg < 0) {
+            return Err(bad("page_table", format!("row {t} (position {pos}) needs page {missing} of sequence {seq}, which is unassigned")));
+        }
+        if slot >= 0 && kv_cache::slot_of(row, page_size, pos as usize) != Some(slot as usize) {
+            return Err(bad("slots", format!("row {t} writes slot {slot}, but position {pos} of sequence {seq} lives elsewhere")));
+        }
+        need = need.max(slot.max(0) as usize + 1);
+    }
+    for (r, &row) in inputs.logit_rows.iter().enumerate() {
+        if row < -1 || row >= p.tokens as i32 {
+            return Err(bad("logit_rows", format!("entry {r} names row {row}; the program has {} rows", p.tokens)));
+        }
+    }
+    Ok(need)
+}
+
+/// Upper bounds of the per-thread scratch any kernel of the plan takes: (f32 values, pairs).
+fn scratch_bound(plan: &Plan) -> (usize, usize) {
+    let m = &plan.model;
+    let context = plan.memory.kv.max_context.max(1);
+    let mut f32s = m.index_n_heads * m.index_head_dim;
+    f32s = f32s.max(m.hidden_size + 2 * m.n_routed_experts + 2 * m.n_group.max(1));
+    for p in &plan.programs {
+        for step in &p.steps {
+            let need = match step.op {
+                Op::Linear { k, .. } => k,
+                Op::MoeExperts { hidden, intermediate, .. } => hidden.max(intermediate),
+                Op::MlaAttention { topk, .. } => {
+                    let selected = topk.map_or(context, |b| width(p, b));
+                    let (nope, dv, r) = (m.qk_nope_head_dim, m.v_head_dim, m.kv_lora_rank);
+                    (nope + dv) * r + m.qk_rope_head_dim + selected + 2 * r.max(nope).max(dv)
+                }
+                _ => 0,
+            };
+            f32s = f32s.max(need);
+        }
+    }
+    (f32s, context)
+}
+
+/// Decodes every F32 slot and every BF16 vector (norm weights, biases, scalars) to f32.
+fn decode_small(plan: &Plan, arena: &[u8]) -> Result<Vec<Vec<f32>>, RuntimeError> {
+    plan.weights
+        .iter()
+        .map(|slot| {
+            let bytes = arena
+                .get(slot.offset as usize..(slot.offset + slot.bytes) as usize)
+                .ok_or_else(|| RuntimeError::internal(format!("slot `{}` lies outside the weights arena", slot.name)))?;
+            Ok(match slot.dtype {
+                DType::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+                DType::BF16 if slot.shape.len() <= 1 => {
+                    bytes.chunks_exact(2).map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect()
+                }
+                _ => Vec::new(),
+            })
+        })
+        .collect()
+}
+
+fn all_reduce(ranks: &mut [Rank], staging: &mut Vec<f32>, cx: &Cx, buf: BufId) -> Result<(), RuntimeError> {
+    let n = numel(cx.program, buf);
+    let dtype = cx.program.buffer(buf).dtype;
+    if dtype == DType::I32 {
+        return Err(RuntimeError::internal("all-reduce of an I32 buffer"));
+    }
+    let round = Round::for_dtype(dtype, cx.opts.precision);
+    let acc = scratch::grow(staging, n);
+    acc.copy_from_slice(&ranks[0].f[buf.0 as usize][..n]);
+    for rank in &ranks[1..] {
+        acc.iter_mut().zip(&rank.f[buf.0 as usize][..n]).for_each(|(a, &v)| *a += v);
+    }
+    acc.iter_mut().for_each(|v| *v = round.apply(*v));
+    for rank in ranks.iter_mut() {
+        rank.f[buf.0 as usize][..n].copy_from_slice(acc);
+    }
+    Ok(())
+}
+
+fn all_gather(ranks: &mut [Rank], staging: &mut Vec<f32>, cx: &Cx, input: BufId, out: BufId) -> Result<(), RuntimeError> {
+    let (w, wo) = (width(cx.program, input), width(cx.program, out));
+    let rows = numel(cx.program, out) / wo.max(1);
+    if w * ranks.len() != wo || numel(cx.program, input) != rows * w {
+        return Err(RuntimeError::internal("all-gather shapes do not match the rank count"));
+    }
+    let round = Round::for_dtype(cx.program.buffer(out).dtype, cx.opts.precision);
+    let acc = scratch::grow(staging, rows * wo);
+    for (r, rank) in ranks.iter().enumerate() {
+        let src = &rank.f[input.0 as usize];
+        for row in 0..rows {
+            for (a, &v) in acc[row * wo + r * w..row * wo + (r + 1) * w].iter_mut().zip(&src[row * w..(row + 1) * w]) {
+                *a = round.apply(v);
+            }
+        }
+    }
+    for rank in ranks.iter_mut() {
+        rank.f[out.0 as usize][..rows * wo].copy_from_slice(acc);
+    }
+    Ok(())
+}
+
+/// The arena bytes of a slot.
+fn slot_bytes<'a>(plan: &Plan, arena: &'a [u8], id: WeightId) -> &'a [u8] {
+    let s = plan.weight(id);
+    &arena[s.offset as usize..(s.offset + s.bytes) as usize]
+}
+
+/// A linear layer's weights in a rank's arena (`small`: its decoded scalars).
+fn linear_of<'a>(plan: &Plan, arena: &'a [u8], small: &'a [Vec<f32>], w: &LinearWeights, k: usize, parts: &'a [usize]) -> Linear<'a> {
+    match *w {
+        LinearWeights::Bf16 { weight } => {
+            Linear { matrix: Matrix::Bf16(slot_bytes(plan, arena, weight)), k, parts, scale_2: &[], input_scale: &[] }
+        }
+        LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => Linear {
+            matrix: Matrix::Nvfp4 { packed: slot_bytes(plan, arena, weight), scales: slot_bytes(plan, arena, scale) },
+            k,
+            parts,
+            scale_2: &small[scale_2.0 as usize],
+            input_scale: &small[input_scale.0 as usize],
+        },
+    }
+}
+
+/// The token inputs of the current replay, from a rank's I32 buffers.
+fn tokens_in<'a>(i: &'a [Vec<i32>], cx: &Cx) -> Tokens<'a> {
+    let p = cx.program;
+    let pi = p.inputs;
+    let get = |b: BufId| &i[b.0 as usize][..numel(p, b)];
+    Tokens {
+        positions: get(pi.positions),
+        token_seq: get(pi.token_seq),
+        slots: get(pi.slots),
+        page_table: get(pi.page_table),
+        pages_per_seq: width(p, pi.page_table),
+    }
+}
+
+impl Rank {
+    fn exec(&mut self, cx: &Cx, op: &Op) -> Result<(), RuntimeError> {
+        let (plan, p) = (cx.plan, cx.program);
+        let n = |b: BufId| numel(p, b);
+        let round = |b: BufId| Round::for_dtype(p.buffer(b).dtype, cx.opts.precision);
+        let take = |v: &mut Vec<Vec<f32>>, b: BufId| std::mem::take(&mut v[b.0 as usize]);
+        match *op {
+            Op::Embed { ids, table, vocab_rows, out } => {
+                let h = width(p, out);
+                let mut o = take(&mut self.f, out);
+                let table = slot_bytes(plan, &self.arena, table);
+                let first = (self.index * vocab_rows) as i64;
+                for (t, row) in o[..n(out)].chunks_exact_mut(h).enumerate() {
+                    let local = self.i[ids.0 as usize][t] as i64 - first;
+                    if (0..vocab_rows as i64).contains(&local) {
+                        let src = &table[local as usize * h * 2..(local as usize + 1) * h * 2];
+                        for (v, b) in row.iter_mut().zip(src.chunks_exact(2)) {
+                            *v = round(out).apply(bf16_to_f32(u16::from_le_bytes([b[0], b[1]])));
+                        }
+                    } else {
+                        row.fill(0.0);
+                    }
+                }
+                self.f[out.0 as usize] = o;
+            }
+            Op::RmsNorm { input, residual, weight, eps, out } => {
+                let h = width(p, out);
+                let w = &self.small[weight.0 as usize];
+                let mut o = take(&mut self.f, out);
+                let source = match residual {
+                    Some(r) => {
+                        let mut res = take(&mut self.f, r);
+                        let rr = round(r);
+                        res[..n(r)].iter_mut().zip(&self.f[input.0 as usize][..n(input)]).for_each(|(a, &b)| *a = rr.apply(*a + b));
+                        self.f[r.0 as usize] = res;
+                        r
+                    }
+                    None => input,
+                };
+                let x = &self.f[source.0 as usize][..n(source)];
+                for (xr, or) in x.chunks_exact(h).zip(o[..n(out)].chunks_exact_mut(h)) {
+                    norm::rms_norm_row(xr, w, eps, round(source), round(out), or);
+                }
+                self.f[out.0 as usize] = o;
+            }
+            Op::Linear { input, ref weights, ref parts, k, epilogue, out } => {
+                let rows: [usize; 2];
+                let parts: &[usize] = match parts.as_slice() {
+                    [a] => {
+                        rows = [a.rows, 0];
+                        &rows[..1]
+                    }
+                    [a, b] => {
+                        rows = [a.rows, b.rows];
+                        &rows[..]
+                    }
+                    _ => return Err(RuntimeError::internal(format!("a linear with {} parts", parts.len()))),
+                };
+                let mut o = take(&mut self.f, out);
+                let lin = linear_of(plan, &self.arena, &self.small, weights, k, parts);
+                linear::linear(&self.f[input.0 as usize][..n(input)], tokens_of(p, input, k), &lin, cx.opts.act_quant, epilogue, round(out), &mut self.lin, &mut o[..n(out)]);
+                self.f[out.0 as usize] = o;
+            }
+            Op::MlaKvWrite { kv, norm: w, eps, layer } => {
+                let (r, dr) = (self.kv.latent_dim, self.kv.rope_dim);
+                let (inner, cache) = (round(kv), self.kv.round);
+                let tk = tokens_in(&self.i, cx);
+                let src = &self.f[kv.0 as usize][..n(kv)];
+                for t in 0..tk.count() {
+                    let Some(slot) = tk.slot(t) else { continue };
+                    let row = &src[t * (r + dr)..(t + 1) * (r + dr)];
+                    norm::rms_norm_row(&row[..r], &self.small[w.0 as usize], eps, inner, cache, self.kv.latent_mut(layer, slot));
+                    let kr = self.kv.rope_mut(layer, slot);
+                    kr.copy_from_slice(&row[r..]);
+                    cx.rope.apply(kr, tk.positions[t]);
+                    kr.iter_mut().for_each(|v| *v = cache.apply(*v));
+                }
+            }
+            Op::IndexerKeyWrite { k, norm: w, bias, eps, layer } => {
+                let tk = tokens_in(&self.i, cx);
+                let (w, b) = (&self.small[w.0 as usize], &self.small[bias.0 as usize]);
+                indexer::key_write(&self.f[k.0 as usize][..n(k)], w, b, eps, &tk, &mut self.kv, layer, cx.rope);
+            }
+            Op::IndexerTopK { q, head_weights, layer, topk, out } => {
+                let mut o = std::mem::take(&mut self.i[out.0 as usize]);
+                let heads = width(p, head_weights);
+                let tk = tokens_in(&self.i, cx);
+                indexer::top_k(&self.f[q.0 as usize][..n(q)], &self.f[head_weights.0 as usize][..n(head_weights)], heads, &tk, &self.kv, layer, cx.rope, topk, &mut o[..n(out)]);
+                self.i[out.0 as usize] = o;
+            }
+            Op::MlaAttention { q, kv_b, topk, layer, heads, scale, form, out } => {
+                let c = &plan.model;
+                let mut o = take(&mut self.f, out);
+                let m = attention::Mla {
+                    heads,
+                    nope: c.qk_nope_head_dim,
+                    rope_dim: c.qk_rope_head_dim,
+                    v_dim: c.v_head_dim,
+                    latent: c.kv_lora_rank,
+                    scale,
+                    kv_b: slot_bytes(plan, &self.arena, kv_b),
+                    form: cx.opts.attention.unwrap_or(form),
+                };
+                let sel = topk.map(|b| (&self.i[b.0 as usize][..n(b)], width(p, b)));
+                let tk = tokens_in(&self.i, cx);
+                attention::mla_attention(&self.f[q.0 as usize][..n(q)], sel, &tk, &self.kv, layer, &m, cx.rope, round(out), &mut o[..n(out)]);
+                self.f[out.0 as usize] = o;
+            }
+            Op::Router { input, gate, bias, ref params, ids, weights } => {
+                let mut ids_v = std::mem::take(&mut self.i[ids.0 as usize]);
+                let mut w_v = take(&mut self.f, weights);
+                let h = width(p, input);
+                router::route(&self.f[input.0 as usize][..n(input)], h, slot_bytes(plan, &self.arena, gate), &self.small[bias.0 as usize], params, &mut ids_v[..n(ids)], &mut w_v[..n(weights)]);
+                self.i[ids.0 as usize] = ids_v;
+                self.f[weights.0 as usize] = w_v;
+            }
+            Op::MoeExperts { input, ids, weights, ref gate_up, ref down, experts_local, expert_parallel, intermediate, hidden, out } => {
+                let stack = |w: &LinearWeights| match *w {
+                    LinearWeights::Bf16 { weight } => moe::Stack::Bf16(slot_bytes(plan, &self.arena, weight)),
+                    LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => moe::Stack::Nvfp4 {
+                        packed: slot_bytes(plan, &self.arena, weight),
+                        scales: slot_bytes(plan, &self.arena, scale),
+                        scale_2: &self.small[scale_2.0 as usize],
+                        input_scale: &self.small[input_scale.0 as usize],
+                    },
+                };
+                let ex = moe::Experts {
+                    gate_up: stack(gate_up),
+                    down: stack(down),
+                    local: experts_local,
+                    first: if expert_parallel { self.index * experts_local } else { 0 },
+                    intermediate,
+                    hidden,
+                };
+                let mut o = take(&mut self.f, out);
+                let mut s = std::mem::take(&mut self.moe);
+                let top_k = width(p, ids);
+                let tk = tokens_in(&self.i, cx);
+                moe::experts(
+                    &self.f[input.0 as usize][..n(input)],
+                    tokens_of(p, input, hidden),
+                    |t| tk.active(t),
+                    &self.i[ids.0 as usize][..n(ids)],
+                    &self.f[weights.0 as usize][..n(weights)],
+                    top_k,
+                    &ex,
+                    cx.opts.act_quant,
+                    Round::for_dtype(DType::BF16, cx.opts.precision),
+                    round(out),
+                    &mut s,
+                    &mut o[..n(out)],
+                );
+                self.moe = s;
+                self.f[out.0 as usize] = o;
+            }
+            Op::Add { a, b, out } => {
+                let mut o = take(&mut self.f, out);
+                let r = round(out);
+                for ((v, &x), &y) in o[..n(out)].iter_mut().zip(&self.f[a.0 as usize][..n(a)]).zip(&self.f[b.0 as usize][..n(b)]) {
+                    *v = r.apply(x + y);
+                }
+                self.f[out.0 as usize] = o;
+            }
+            Op::GatherRows { input, rows, out } => {
+                let h = width(p, out);
+                let mut o = take(&mut self.f, out);
+                let r = round(out);
+                let src = &self.f[input.0 as usize][..n(input)];
+                for (i, row) in o[..n(out)].chunks_exact_mut(h).enumerate() {
+                    match usize::try_from(self.i[rows.0 as usize][i]).ok().and_then(|t| src.get(t * h..(t + 1) * h)) {
+                        Some(x) => row.iter_mut().zip(x).for_each(|(v, &x)| *v = r.apply(x)),
+                        None => row.fill(0.0),
+                    }
+                }
+                self.f[out.0 as usize] = o;
+            }
+            Op::AllReduce { .. } | Op::AllGather { .. } => return Err(RuntimeError::internal("collective executed on one rank")),
+        }
+        Ok(())
+    }
+}
+
+/// Rows of a `[rows, k]` buffer.
+fn tokens_of(p: &Program, b: BufId, k: usize) -> usize {
+    numel(p, b) / k.max(1)
+}

@@ -1,0 +1,484 @@
+//! The engine-level API over a backend: load an artifact and bind its weights, hand out KV pages
+//! to sequences, prefill prompts (in chunks when longer than the largest prefill bucket) and
+//! decode batches of sequences one token at a time.
+
+use crate::bind::bind;
+use crate::cpu::{CpuBackend, CpuOptions, Inputs};
+use crate::engine::forward::{DecodeItem, Forward};
+use crate::error::RuntimeError;
+use crate::plan::{read_plan, Plan, ProgramKind};
+use std::path::{Path, PathBuf};
+
+/// The artifact's manifest, which records the checkpoint it was compiled from.
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SessionOptions {
+    pub cpu: CpuOptions,
+    /// Show a progress bar while binding weights (only drawn on a terminal).
+    pub progress: bool,
+}
+
+/// A sequence handle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SeqId(u32);
+
+/// Which rows of a prefill return logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitRows {
+    /// One row per prompt token.
+    All,
+    /// Only the last prompt token (what generation needs).
+    Last,
+}
+
+struct Sequence {
+    /// KV pages in order: position p lives in `pages[p / page_size]`.
+    pages: Vec<u32>,
+    /// Tokens in the cache.
+    len: usize,
+}
+
+/// The weights directory: `--weights`, else the checkpoint recorded in the artifact's manifest.
+pub fn weights_dir(artifact: &Path, weights: Option<&Path>) -> Result<PathBuf, RuntimeError> {
+    if let Some(w) = weights {
+        return Ok(w.to_path_buf());
+    }
+    let path = artifact.join(MANIFEST_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| RuntimeError::Manifest {
+        path: path.clone(),
+        message: format!("{e}; pass the checkpoint directory with --weights"),
+    })?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| RuntimeError::Manifest { path: path.clone(), message: format!("malformed JSON: {e}") })?;
+    let dir = json.get("checkpoint_dir").and_then(|d| d.as_str()).ok_or_else(|| RuntimeError::Manifest {
+        path: path.clone(),
+        message: "no `checkpoint_dir`; pass the checkpoint directory with --weights".into(),
+    })?;
+    let dir = PathBuf::from(dir);
+    if !dir.is_dir() {
+        return Err(RuntimeError::Manifest {
+            path,
+            message: format!(
+                "the checkpoint the artifact was compiled from, {}, no longer exists; pass it with --weights",
+                dir.display()
+            ),
+        });
+    }
+    Ok(dir)
+}
+
+/// Runs prefill chunks and decode batches for sequences whose KV pages the caller owns: the
+/// layer the engine's scheduler drives (see [`Forward`]) and [`Session`] builds on.
+pub struct Runner {
+    backend: CpuBackend,
+    inputs: Inputs,
+    out: Vec<f32>,
+}
+
+/// One sequence of a decode batch: its pages (in position order), the position of `token`
+/// (= tokens already cached) and the token.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeRow<'a> {
+    pub pages: &'a [u32],
+    pub pos: usize,
+    pub token: u32,
+}
+
+impl Runner {
+    pub fn open(artifact: &Path, weights: Option<&Path>, opts: SessionOptions) -> Result<Runner, RuntimeError> {
+        let plan = read_plan(artifact)?;
+        let dir = weights_dir(artifact, weights)?;
+        Runner::from_plan(plan, &dir, opts)
+    }
+
+    pub fn from_plan(plan: Plan, weights: &Path, opts: SessionOptions) -> Result<Runner, RuntimeError> {
+        let arenas = bind(&plan, weights, opts.progress)?;
+        Ok(Runner { backend: CpuBackend::new(plan, arenas, opts.cpu)?, inputs: Inputs::default(), out: Vec::new() })
+    }
+
+    pub fn plan(&self) -> &Plan {
+        self.backend.plan()
+    }
+
+    pub fn backend(&self) -> &CpuBackend {
+        &self.backend
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.plan().model.vocab_size
+    }
+
+    pub fn page_size(&self) -> usize {
+        self.plan().memory.kv.page_size.max(1)
+    }
+
+    pub fn total_pages(&self) -> usize {
+        self.plan().memory.kv.pages
+    }
+
+    /// The longest sequence this plan serves.
+    pub fn max_context(&self) -> usize {
+        let p = self.plan();
+        let kv = &p.memory.kv;
+        kv.max_context.min(kv.pages_per_seq * kv.page_size).min(p.model.max_position_embeddings)
+    }
+
+    /// Largest decode batch of the plan (0 if it has none).
+    pub fn max_decode_batch(&self) -> usize {
+        self.plan().programs.iter().filter_map(|p| match p.kind {
+            ProgramKind::Decode { batch } => Some(batch),
+            _ => None,
+        }).max().unwrap_or(0)
+    }
+
+    /// Largest prefill chunk of the plan (0 if it has none).
+    pub fn max_prefill_chunk(&self) -> usize {
+        self.plan().programs.iter().filter_map(|p| match p.kind {
+            ProgramKind::Prefill { .. } => Some(p.tokens),
+            _ => None,
+        }).max().unwrap_or(0)
+    }
+
+    pub fn check_ids(&self, ids: &[u32]) -> Result<(), RuntimeError> {
+        let vocab = self.vocab_size();
+        if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+            return Err(RuntimeError::input("token ids", format!("id {id} (at index {i}) is outside the vocabulary of {vocab} tokens")));
+        }
+        Ok(())
+    }
+
+    /// Checks that `pages` hold positions `0..len` and `len` fits the plan.
+    fn check_pages(&self, pages: &[u32], len: usize) -> Result<(), RuntimeError> {
+        let max = self.max_context();
+        if len > max {
+            return Err(RuntimeError::input(
+                "token ids",
+                format!("the sequence would be {len} tokens long; this plan serves at most {max} (compile with a larger --max-context)"),
+            ));
+        }
+        let need = len.div_ceil(self.page_size());
+        if pages.len() < need {
+            return Err(RuntimeError::input("page table", format!("{len} tokens need {need} pages, the sequence has {}", pages.len())));
+        }
+        if let Some(p) = pages.iter().find(|&&p| p as usize >= self.total_pages()) {
+            return Err(RuntimeError::input("page table", format!("page {p} does not exist; the cache has {} pages", self.total_pages())));
+        }
+        Ok(())
+    }
+
+    /// Appends `ids` at positions `start..` of the sequence that owns `pages` through the
+    /// prefill programs (in chunks); returns the logits of `rows`.
+    pub fn prefill(&mut self, pages: &[u32], start: usize, ids: &[u32], rows: LogitRows) -> Result<&[f32], RuntimeError> {
+        if ids.is_empty() {
+            return Err(RuntimeError::input("token ids", "no tokens to prefill"));
+        }
+        self.check_ids(ids)?;
+        self.check_pages(pages, start + ids.len())?;
+        let (vocab, page_size) = (self.vocab_size(), self.page_size());
+        self.out.clear();
+        let mut done = 0;
+        while done < ids.len() {
+            let remaining = ids.len() - done;
+            let (index, tokens, logit_rows) = prefill_program(self.plan(), remaining)
+                .ok_or_else(|| RuntimeError::Unsupported { message: "the plan has no prefill program".into() })?;
+            let mut m = remaining.min(tokens);
+            if rows == LogitRows::All {
+                m = m.min(logit_rows);
+            }
+            if m == 0 {
+                return Err(RuntimeError::Unsupported { message: "the plan's prefill programs return no logit rows".into() });
+            }
+            let last = done + m == ids.len();
+            let inputs = &mut self.inputs;
+            let program = &self.backend.plan().programs[index];
+            inputs.reset(program);
+            if pages.len() > inputs.page_table.len() {
+                return Err(RuntimeError::input("page table", format!("{} pages, a sequence holds at most {}", pages.len(), inputs.page_table.len())));
+            }
+            for i in 0..m {
+                let pos = start + done + i;
+                inputs.ids[i] = ids[done + i] as i32;
+                inputs.positions[i] = pos as i32;
+                inputs.token_seq[i] = 0;
+                inputs.slots[i] = (pages[pos / page_size] as usize * page_size + pos % page_size) as i32;
+            }
+            inputs.page_table.iter_mut().zip(pages).for_each(|(d, &p)| *d = p as i32);
+            match rows {
+                LogitRows::All => inputs.logit_rows[..m].iter_mut().enumerate().for_each(|(i, r)| *r = i as i32),
+                LogitRows::Last if last => inputs.logit_rows[0] = m as i32 - 1,
+                LogitRows::Last => {}
+            }
+            let logits = self.backend.run(index, &self.inputs)?;
+            match rows {
+                LogitRows::All => self.out.extend_from_slice(&logits[..m * vocab]),
+                LogitRows::Last if last => self.out.extend_from_slice(&logits[..vocab]),
+                LogitRows::Last => {}
+            }
+            done += m;
+        }
+        Ok(&self.out)
+    }
+
+    /// One token for each row (sequences must be distinct); returns `[rows.len(), vocab]`.
+    pub fn decode(&mut self, batch: &[DecodeRow<'_>]) -> Result<&[f32], RuntimeError> {
+        if batch.is_empty() {
+            return Err(RuntimeError::input("decode batch", "no sequences"));
+        }
+        for r in batch {
+            self.check_ids(std::slice::from_ref(&r.token))?;
+            self.check_pages(r.pages, r.pos + 1)?;
+        }
+        let (vocab, page_size) = (self.vocab_size(), self.page_size());
+        let largest = self.max_decode_batch();
+        if largest == 0 {
+            return Err(RuntimeError::Unsupported { message: "the plan has no decode program".into() });
+        }
+        self.out.clear();
+        for group in batch.chunks(largest) {
+            let index = decode_program(self.plan(), group.len())
+                .ok_or_else(|| RuntimeError::internal("no decode program holds the largest decode batch"))?;
+            let inputs = &mut self.inputs;
+            let program = &self.backend.plan().programs[index];
+            let pages_per_seq = program.buffer(program.inputs.page_table).shape.get(1).copied().unwrap_or(0);
+            inputs.reset(program);
+            for (row, r) in group.iter().enumerate() {
+                if r.pages.len() > pages_per_seq {
+                    return Err(RuntimeError::input("page table", format!("{} pages, a sequence holds at most {pages_per_seq}", r.pages.len())));
+                }
+                inputs.ids[row] = r.token as i32;
+                inputs.positions[row] = r.pos as i32;
+                inputs.token_seq[row] = row as i32;
+                inputs.slots[row] = (r.pages[r.pos / page_size] as usize * page_size + r.pos % page_size) as i32;
+                for (d, &p) in inputs.page_table[row * pages_per_seq..].iter_mut().zip(r.pages) {
+                    *d = p as i32;
+                }
+                inputs.logit_rows[row] = row as i32;
+            }
+            let logits = self.backend.run(index, &self.inputs)?;
+            self.out.extend_from_slice(&logits[..group.len() * vocab]);
+        }
+        Ok(&self.out)
+    }
+}
+
+impl Forward for Runner {
+    fn vocab_size(&self) -> usize {
+        Runner::vocab_size(self)
+    }
+    fn page_size(&self) -> usize {
+        Runner::page_size(self)
+    }
+    fn total_pages(&self) -> usize {
+        Runner::total_pages(self)
+    }
+    fn max_context(&self) -> usize {
+        Runner::max_context(self)
+    }
+    fn max_decode_batch(&self) -> usize {
+        Runner::max_decode_batch(self)
+    }
+    fn max_prefill_chunk(&self) -> usize {
+        Runner::max_prefill_chunk(self)
+    }
+    fn prefill(&mut self, pages: &[u32], start: usize, tokens: &[u32]) -> Result<Vec<f32>, String> {
+        Runner::prefill(self, pages, start, tokens, LogitRows::Last).map(<[f32]>::to_vec).map_err(|e| e.to_string())
+    }
+    fn decode(&mut self, items: &[DecodeItem<'_>]) -> Result<Vec<f32>, String> {
+        let rows: Vec<DecodeRow> = items.iter().map(|i| DecodeRow { pages: i.pages, pos: i.pos, token: i.token }).collect();
+        Runner::decode(self, &rows).map(<[f32]>::to_vec).map_err(|e| e.to_string())
+    }
+}
+
+/// A [`Runner`] that also owns the KV pages: sequences are created, fed and released by id.
+pub struct Session {
+    runner: Runner,
+    /// Free pages, highest first (pages are handed out lowest first, so the cache stays compact).
+    free: Vec<u32>,
+    seqs: Vec<Option<Sequence>>,
+}
+
+impl Session {
+    /// Loads `artifact/plan.bin` and binds the weights (`weights`, else the manifest's checkpoint).
+    pub fn open(artifact: &Path, weights: Option<&Path>, opts: SessionOptions) -> Result<Session, RuntimeError> {
+        Ok(Session::new(Runner::open(artifact, weights, opts)?))
+    }
+
+    pub fn from_plan(plan: Plan, weights: &Path, opts: SessionOptions) -> Result<Session, RuntimeError> {
+        Ok(Session::new(Runner::from_plan(plan, weights, opts)?))
+    }
+
+    pub fn new(runner: Runner) -> Session {
+        let pages = runner.total_pages() as u32;
+        Session { runner, free: (0..pages).rev().collect(), seqs: Vec::new() }
+    }
+
+    pub fn runner(&self) -> &Runner {
+        &self.runner
+    }
+
+    pub fn plan(&self) -> &Plan {
+        self.runner.plan()
+    }
+
+    pub fn backend(&self) -> &CpuBackend {
+        self.runner.backend()
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.runner.vocab_size()
+    }
+
+    pub fn max_context(&self) -> usize {
+        self.runner.max_context()
+    }
+
+    pub fn new_sequence(&mut self) -> SeqId {
+        let seq = Sequence { pages: Vec::new(), len: 0 };
+        match self.seqs.iter().position(Option::is_none) {
+            Some(i) => {
+                self.seqs[i] = Some(seq);
+                SeqId(i as u32)
+            }
+            None => {
+                self.seqs.push(Some(seq));
+                SeqId(self.seqs.len() as u32 - 1)
+            }
+        }
+    }
+
+    /// Frees the sequence and its pages.
+    pub fn release(&mut self, seq: SeqId) {
+        if let Some(s) = self.seqs.get_mut(seq.0 as usize).and_then(Option::take) {
+            self.free.extend(s.pages);
+            self.free.sort_unstable_by(|a, b| b.cmp(a));
+        }
+    }
+
+    /// Tokens cached for `seq`.
+    pub fn len(&self, seq: SeqId) -> Option<usize> {
+        self.seqs.get(seq.0 as usize)?.as_ref().map(|s| s.len)
+    }
+
+    fn seq(&self, seq: SeqId) -> Result<&Sequence, RuntimeError> {
+        self.seqs.get(seq.0 as usize).and_then(Option::as_ref).ok_or_else(|| unknown(seq))
+    }
+
+    /// Gives `seq` pages for `len` tokens (nothing changes on error).
+    fn reserve(&mut self, seq: SeqId, len: usize) -> Result<(), RuntimeError> {
+        let max = self.max_context();
+        let s = self.seq(seq)?;
+        if len > max {
+            return Err(RuntimeError::input(
+                "token ids",
+                format!("{} more tokens would make the sequence {len} tokens long; this plan serves at most {max} (compile with a larger --max-context)", len - s.len),
+            ));
+        }
+        let need = len.div_ceil(self.runner.page_size()).saturating_sub(s.pages.len());
+        if need > self.free.len() {
+            return Err(RuntimeError::KvFull { message: format!("the sequence needs {need} more pages, {} are free", self.free.len()) });
+        }
+        let at = self.free.len() - need;
+        let pages = self.free.split_off(at);
+        if let Some(s) = self.seqs[seq.0 as usize].as_mut() {
+            s.pages.extend(pages.into_iter().rev());
+        }
+        Ok(())
+    }
+
+    /// Appends `ids` to `seq` (chunked prefill); returns the logits of `rows`
+    /// (`[ids.len(), vocab]` or `[1, vocab]`).
+    pub fn prefill(&mut self, seq: SeqId, ids: &[u32], rows: LogitRows) -> Result<&[f32], RuntimeError> {
+        if ids.is_empty() {
+            return Err(RuntimeError::input("token ids", "no tokens to prefill"));
+        }
+        self.runner.check_ids(ids)?;
+        let start = self.seq(seq)?.len;
+        self.reserve(seq, start + ids.len())?;
+        let s = self.seqs[seq.0 as usize].as_mut().ok_or_else(|| unknown(seq))?;
+        let out = self.runner.prefill(&s.pages, start, ids, rows)?;
+        s.len = start + ids.len();
+        Ok(out)
+    }
+
+    /// One new token for each `(sequence, id)`; returns `[batch.len(), vocab]` logits.
+    pub fn decode(&mut self, batch: &[(SeqId, u32)]) -> Result<&[f32], RuntimeError> {
+        if batch.is_empty() {
+            return Err(RuntimeError::input("decode batch", "no sequences"));
+        }
+        for (i, &(seq, _)) in batch.iter().enumerate() {
+            if batch[..i].iter().any(|&(other, _)| other == seq) {
+                return Err(RuntimeError::input("decode batch", format!("sequence {} appears twice", seq.0)));
+            }
+            self.seq(seq)?;
+        }
+        let ids: Vec<u32> = batch.iter().map(|&(_, id)| id).collect();
+        self.runner.check_ids(&ids)?;
+        for &(seq, _) in batch {
+            let len = self.seq(seq)?.len;
+            self.reserve(seq, len + 1)?;
+        }
+        let rows: Vec<DecodeRow> = batch
+            .iter()
+            .map(|&(seq, token)| {
+                let s = self.seqs[seq.0 as usize].as_ref().expect("checked above");
+                DecodeRow { pages: &s.pages, pos: s.len, token }
+            })
+            .collect();
+        self.runner.decode(&rows)?;
+        for &(seq, _) in batch {
+            if let Some(s) = self.seqs[seq.0 as usize].as_mut() {
+                s.len += 1;
+            }
+        }
+        Ok(&self.runner.out)
+    }
+
+    /// Logits `[ids.len(), vocab]` of a fresh sequence fed `ids`: one (chunked) prefill, or with
+    /// `decode` one token at a time through the KV cache. The sequence is released afterwards.
+    pub fn logits(&mut self, ids: &[u32], decode: bool) -> Result<Vec<f32>, RuntimeError> {
+        if ids.is_empty() {
+            return Err(RuntimeError::input("token ids", "no tokens given"));
+        }
+        self.runner.check_ids(ids)?;
+        if ids.len() > self.max_context() {
+            return Err(RuntimeError::input(
+                "token ids",
+                format!("{} tokens, but this plan serves at most {} per sequence (compile with a larger --max-context)", ids.len(), self.max_context()),
+            ));
+        }
+        let seq = self.new_sequence();
+        let result = if decode {
+            let mut all = Vec::with_capacity(ids.len() * self.vocab_size());
+            ids.iter().try_for_each(|&id| self.decode(&[(seq, id)]).map(|l| all.extend_from_slice(l))).map(|()| all)
+        } else {
+            self.prefill(seq, ids, LogitRows::All).map(<[f32]>::to_vec)
+        };
+        self.release(seq);
+        result
+    }
+}
+
+fn unknown(seq: SeqId) -> RuntimeError {
+    RuntimeError::input("sequence", format!("{} is not an active sequence", seq.0))
+}
+
+/// (index, tokens, logit rows) of the smallest prefill program holding `tokens`, else the largest.
+fn prefill_program(plan: &Plan, tokens: usize) -> Option<(usize, usize, usize)> {
+    let prefill = || plan.programs.iter().enumerate().filter(|(_, p)| matches!(p.kind, ProgramKind::Prefill { .. }));
+    prefill()
+        .filter(|(_, p)| p.tokens >= tokens)
+        .min_by_key(|(_, p)| p.tokens)
+        .or_else(|| prefill().max_by_key(|(_, p)| p.tokens))
+        .map(|(i, p)| (i, p.tokens, p.logit_rows))
+}
+
+/// Index of the smallest decode program holding `batch` sequences.
+fn decode_program(plan: &Plan, batch: usize) -> Option<usize> {
+    plan.programs
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| matches!(p.kind, ProgramKind::Decode { batch: b } if b >= batch))
+        .min_by_key(|(_, p)| p.tokens)
+        .map(|(i, _)| i)
+}
