@@ -1,0 +1,112 @@
+//! One thread block: its warps, shared memory and the 16 named barriers.
+//!
+//! Warps run one at a time, each until it exits or reaches a barrier; a barrier completes when
+//! the participating warps have arrived (the `b` thread count, or all warps that have not
+//! exited). Arrival is per warp, as in the ISA.
+
+use super::memory::SharedMemory;
+use super::warp::{BlockMem, Counters, LaunchCtx, Status, Warp};
+use super::EmuError;
+
+#[derive(Default, Clone)]
+struct Barrier {
+    arrived: u32,
+    count: Option<u32>,
+    waiting: Vec<usize>,
+    line: u32,
+}
+
+fn complete(b: &Barrier, live_warps: u32) -> bool {
+    b.arrived > 0
+        && match b.count {
+            Some(n) => b.arrived * 32 >= n,
+            None => b.arrived >= live_warps,
+        }
+}
+
+pub fn run_block(lc: &LaunchCtx, ctaid: [u32; 3]) -> Result<Counters, EmuError> {
+    let block = lc.geo.block;
+    let nthreads = block[0] * block[1] * block[2];
+    let nwarps = nthreads.div_ceil(32);
+    let mut warps: Vec<Warp> = (0..nwarps).map(|w| Warp::new(lc.entry, w, nwarps, block, ctaid)).collect();
+    let mut bm = BlockMem { shared: SharedMemory::new(lc.geo.smem_total as usize), ctr: Counters::default() };
+    let mut bars: Vec<Barrier> = vec![Barrier::default(); 16];
+    let mut blocked = vec![false; warps.len()];
+    let fail = |line: u32, msg: String| EmuError::Exec {
+        file: String::new(),
+        line,
+        entry: lc.entry.name.clone(),
+        inst: lc.entry.insts.iter().find(|i| i.line == line).map(|i| i.text.clone()).unwrap_or_default(),
+        msg: format!("block ({},{},{}): {msg}", ctaid[0], ctaid[1], ctaid[2]),
+    };
+    loop {
+        let mut progressed = false;
+        for w in 0..warps.len() {
+            while !warps[w].done() && !blocked[w] {
+                progressed = true;
+                match warps[w].run(lc, &mut bm)? {
+                    Status::Done => break,
+                    Status::Barrier { id, count, wait, line } => {
+                        if id == u32::MAX {
+                            blocked[w] = true;
+                            break;
+                        }
+                        let b = &mut bars[id as usize];
+                        if b.arrived > 0 && b.count != count {
+                            return Err(fail(line, format!("barrier {id} used with thread count {count:?} while {:?} is pending (line {})", b.count, b.line)));
+                        }
+                        if let Some(n) = count {
+                            if n == 0 || n % 32 != 0 || n > nwarps * 32 {
+                                return Err(fail(
+                                    line,
+                                    format!("barrier {id}: thread count {n} must be a non-zero multiple of 32 and at most the block's {} warp slots", nwarps * 32),
+                                ));
+                            }
+                        }
+                        b.count = count;
+                        b.arrived += 1;
+                        b.line = line;
+                        if wait {
+                            b.waiting.push(w);
+                            blocked[w] = true;
+                        }
+                        let live = warps.iter().filter(|x| !x.done()).count() as u32;
+                        if complete(&bars[id as usize], live) {
+                            release(&mut bars[id as usize], &mut warps, &mut blocked);
+                        }
+                    }
+                }
+            }
+        }
+        // Exits may complete barriers that wait for "all non-exited warps".
+        let live = warps.iter().filter(|x| !x.done()).count() as u32;
+        let mut released = false;
+        for b in bars.iter_mut() {
+            if complete(b, live) {
+                release(b, &mut warps, &mut blocked);
+                released = true;
+            }
+        }
+        if warps.iter().all(|w| w.done()) {
+            return Ok(bm.ctr);
+        }
+        if !progressed && !released {
+            let pending: Vec<String> = bars
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.arrived > 0)
+                .map(|(i, b)| format!("barrier {i} (line {}): {} warp(s) arrived, {} expected", b.line, b.arrived, b.count.map(|n| n.div_ceil(32)).unwrap_or(live)))
+                .collect();
+            let line = bars.iter().find(|b| b.arrived > 0).map(|b| b.line).unwrap_or(0);
+            return Err(fail(line, format!("deadlock: {}; {live} warp(s) still running", pending.join("; "))));
+        }
+    }
+}
+
+fn release(b: &mut Barrier, warps: &mut [Warp], blocked: &mut [bool]) {
+    for &w in &b.waiting {
+        warps[w].release_barrier();
+        blocked[w] = false;
+    }
+    *b = Barrier::default();
+}
