@@ -1,7 +1,9 @@
 //! `kiln`: compile GLM-5 NVFP4 checkpoints ahead of time into static execution plans, inspect
 //! them, and make synthetic checkpoints for tests and the demo.
 
+mod bench;
 mod commands;
+mod server;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -26,16 +28,26 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    Bench(commands::bench::Args),
+    Run(commands::run::Args),
+    Serve(commands::serve::Args),
     Compile(commands::compile::Args),
+    Emu(commands::emu::Args),
     Inspect(commands::inspect::Args),
+    Logits(commands::logits::Args),
     Synth(commands::synth::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Bench(a) => commands::bench::run_cli(a),
+        Command::Run(a) => commands::run::run(a),
+        Command::Serve(a) => commands::serve::run(a),
         Command::Compile(a) => commands::compile::run(a),
+        Command::Emu(a) => commands::emu::run(a),
         Command::Inspect(a) => commands::inspect::run(a),
+        Command::Logits(a) => commands::logits::run(a),
         Command::Synth(a) => commands::synth::run(a),
     };
     match result {

@@ -2,10 +2,15 @@
 
 use kiln_runtime::engine::tokenizer::{StreamDecoder, Tokenizer};
 
+/// Synthesised once: the tests of this file run in parallel.
 fn tiny_tokenizer() -> Tokenizer {
-    let dir = std::env::temp_dir().join(format!("kiln-test-{}-tok", std::process::id()));
-    kiln_compiler::synth::synth("tiny", &dir, 0).expect("synth tiny");
-    Tokenizer::from_dir(&dir).expect("tokenizer.json loads")
+    static DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    let dir = DIR.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("kiln-test-{}-tok", std::process::id()));
+        kiln_compiler::synth::synth("tiny", &dir, 0).expect("synth tiny");
+        dir
+    });
+    Tokenizer::from_dir(dir).expect("tokenizer.json loads")
 }
 
 #[test]

@@ -3,10 +3,16 @@
 //! The runtime owns the plan schema (`plan`): the compiler produces it, the backends consume it.
 //! Data flows one way: checkpoint -> compiler -> artifact -> runtime -> engine -> server.
 
+pub mod bind;
+pub mod cpu;
+pub mod emu;
 pub mod engine;
+pub mod error;
 pub mod numerics;
 pub mod plan;
 pub mod rng;
 pub mod safetensors;
+pub mod session;
 
+pub use error::RuntimeError;
 pub use plan::{Plan, PlanError, FORMAT_VERSION};

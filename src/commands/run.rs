@@ -1,0 +1,107 @@
+use kiln_runtime::session::{Runner, SessionOptions};
+use kiln_runtime::engine::chat_template::{ChatInput, ChatTemplate};
+use kiln_runtime::engine::forward::{DecodeItem, Forward};
+use kiln_runtime::engine::pages::PageAllocator;
+use kiln_runtime::engine::sampling::{Sampler, SamplingParams};
+use kiln_runtime::engine::tokenizer::{StreamDecoder, Tokenizer};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Generate text from a prompt, streaming tokens to stdout; prints tokens/s at the end.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Artifact directory written by `kiln compile`.
+    pub artifact: PathBuf,
+    /// Checkpoint with the weights (default: the directory the artifact was compiled from).
+    #[arg(long)]
+    pub weights: Option<PathBuf>,
+    #[arg(long)]
+    pub prompt: String,
+    /// Render the prompt as one user message through the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Execution backend (only cpu today).
+    #[arg(long, default_value = "cpu")]
+    pub backend: String,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.backend != "cpu" {
+        anyhow::bail!("--backend {}: not available yet; use --backend cpu", a.backend);
+    }
+    if a.prompt.is_empty() {
+        anyhow::bail!("--prompt is empty");
+    }
+    if a.max_tokens == 0 {
+        anyhow::bail!("--max-tokens must be at least 1");
+    }
+    let params = SamplingParams { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, seed: a.seed };
+    params.validate().map_err(|m| anyhow::anyhow!("sampling: {m}"))?;
+    let tok = Tokenizer::from_dir(&a.artifact)?;
+    let text = if a.chat {
+        let template = ChatTemplate::from_dir(&a.artifact)?;
+        let messages = serde_json::json!([{"role": "user", "content": a.prompt}]);
+        template.render(&ChatInput::from_json(&messages, None))?
+    } else {
+        a.prompt.clone()
+    };
+    let prompt = tok.encode(&text)?;
+    let mut model = Runner::open(&a.artifact, a.weights.as_deref(), SessionOptions { progress: true, ..SessionOptions::default() })?;
+    let eos = model.plan().model.eos_token_ids.clone();
+    let limit = model.max_context();
+    if prompt.len() + a.max_tokens > limit {
+        anyhow::bail!(
+            "the prompt has {} tokens and --max-tokens asks for {} more, but the plan's context is {limit} tokens",
+            prompt.len(),
+            a.max_tokens
+        );
+    }
+    let mut pages = PageAllocator::new(model.total_pages());
+    let need = (prompt.len() + a.max_tokens).div_ceil(model.page_size());
+    let seq_pages = pages.alloc(need).ok_or_else(|| anyhow::anyhow!("the KV cache holds {} pages, {need} needed", model.total_pages()))?;
+
+    let mut out = std::io::stdout().lock();
+    let mut sampler = Sampler::new(params);
+    let mut decoder = StreamDecoder::default();
+    let t0 = Instant::now();
+    let logits = Forward::prefill(&mut model, &seq_pages, 0, &prompt).map_err(anyhow::Error::msg)?;
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let mut token = sampler.sample(&logits);
+    let t1 = Instant::now();
+    let mut generated = 0;
+    while !eos.contains(&token) {
+        generated += 1;
+        write!(out, "{}", decoder.push(&tok, token)?)?;
+        out.flush()?;
+        if generated == a.max_tokens {
+            break;
+        }
+        let item = DecodeItem { pages: &seq_pages, pos: prompt.len() + generated - 1, token };
+        let logits = Forward::decode(&mut model, &[item]).map_err(anyhow::Error::msg)?;
+        token = sampler.sample(&logits);
+    }
+    let decode_s = t1.elapsed().as_secs_f64();
+    writeln!(out)?;
+    eprintln!(
+        "[{} prompt tokens in {:.3}s ({:.1} tok/s); {generated} generated in {:.3}s ({:.1} tok/s decode)]",
+        prompt.len(),
+        prefill_s,
+        prompt.len() as f64 / prefill_s.max(1e-9),
+        decode_s,
+        generated.saturating_sub(1) as f64 / decode_s.max(1e-9)
+    );
+    Ok(())
+}

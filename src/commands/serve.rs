@@ -1,0 +1,74 @@
+use crate::server::{serve, AppState, Loaded};
+use kiln_runtime::session::{Runner, SessionOptions};
+use kiln_runtime::engine::chat_template::ChatTemplate;
+use kiln_runtime::engine::scheduler;
+use kiln_runtime::engine::tokenizer::Tokenizer;
+use kiln_runtime::plan::read_plan;
+use kiln_runtime::session::weights_dir;
+use std::path::PathBuf;
+
+/// Serve a compiled plan behind an OpenAI-compatible HTTP API.
+///
+/// Endpoints: POST /v1/chat/completions (GLM reasoning_content and tool calls, streaming with
+/// `stream: true`), POST /v1/completions, GET /v1/models, GET /health (503 while loading),
+/// GET /metrics (Prometheus). Drop-in for `--reasoning-parser glm45 --tool-call-parser glm47`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Artifact directory written by `kiln compile`.
+    artifact: PathBuf,
+    /// Checkpoint with the weights (default: the directory the artifact was compiled from).
+    #[arg(long)]
+    weights: Option<PathBuf>,
+    /// Address to bind; 127.0.0.1 keeps the server local.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Execution backend: cpu (reference; emu and cuda are not available yet).
+    #[arg(long, default_value = "cpu")]
+    backend: String,
+    /// Model name clients send and /v1/models lists (default: the artifact directory's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Require `Authorization: Bearer KEY` on /v1 endpoints.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Requests that may wait for admission before new ones get HTTP 429.
+    #[arg(long, default_value_t = 256)]
+    max_waiting: usize,
+    /// Accept `kiln_forced_output` in requests (tests only: forces the generated text).
+    #[arg(long, hide = true)]
+    enable_test_hooks: bool,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.backend != "cpu" {
+        anyhow::bail!("--backend {}: not available yet; kiln serves with --backend cpu today (the PTX emulator and CUDA backends are in progress)", a.backend);
+    }
+    let addr: std::net::SocketAddr = format!("{}:{}", a.host, a.port).parse().map_err(|e| anyhow::anyhow!("--host {} --port {}: {e}", a.host, a.port))?;
+    let name = a.served_model_name.clone().unwrap_or_else(|| {
+        std::fs::canonicalize(&a.artifact).ok().and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_else(|| "kiln".into())
+    });
+    // Check what can be checked before binding the port.
+    let plan = read_plan(&a.artifact)?;
+    let weights = weights_dir(&a.artifact, a.weights.as_deref())?;
+    let state = AppState::new(name, a.api_key.clone(), a.enable_test_hooks);
+    let artifact = a.artifact.clone();
+    let max_waiting = a.max_waiting;
+    let load = move || -> anyhow::Result<Loaded> {
+        let tokenizer = Tokenizer::from_dir(&artifact)?;
+        let chat_template = match ChatTemplate::from_dir(&artifact) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                eprintln!("warning: {e}; /v1/chat/completions is disabled");
+                None
+            }
+        };
+        let eos_ids = plan.model.eos_token_ids.clone();
+        let forward = Runner::open(&artifact, Some(&weights), SessionOptions { progress: true, ..SessionOptions::default() })?;
+        let engine = scheduler::start(Box::new(forward), max_waiting);
+        Ok(Loaded { engine, tokenizer, chat_template, eos_ids })
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(serve(state, addr, load))
+}

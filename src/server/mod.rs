@@ -1,0 +1,121 @@
+//! The OpenAI-compatible HTTP server (`kiln serve`): chat and text completions (streaming and
+//! not), models, health, Prometheus metrics; request ids, optional API key, OpenAI error shapes.
+
+mod chat;
+mod completions;
+mod errors;
+mod generation;
+mod metrics;
+mod params;
+mod sse;
+mod state;
+
+pub use errors::ApiError;
+pub use state::{AppState, Loaded};
+
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::json;
+use std::sync::Arc;
+
+/// The request id of the current request (client's `x-request-id` or a generated one).
+#[derive(Clone)]
+pub struct RequestId(pub String);
+
+pub fn router(state: AppState) -> Router {
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/models", get(models))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(|req: Request| async move { ApiError::not_found(req.uri().path()) })
+        .layer(middleware::from_fn_with_state(state.clone(), request_id))
+        .with_state(state)
+}
+
+async fn request_id(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
+    let id = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty() && s.len() <= 128)
+        .map(String::from)
+        .unwrap_or_else(|| state.new_id("req"));
+    req.extensions_mut().insert(RequestId(id.clone()));
+    let mut resp = next.run(req).await;
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(key) = &state.api_key {
+        let given = req.headers().get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(key.as_str()) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// The loaded model, checking the requested model name.
+pub fn loaded(state: &AppState, model: Option<&str>) -> Result<Arc<Loaded>, ApiError> {
+    if let Some(m) = model {
+        if m != state.served_model {
+            return Err(ApiError::model_not_found(m, &state.served_model));
+        }
+    }
+    state.loaded.get().cloned().ok_or_else(|| ApiError::unavailable("the model is still loading; retry when GET /health returns 200"))
+}
+
+async fn health(State(state): State<AppState>) -> Response {
+    match state.loaded.get() {
+        Some(_) => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
+        None => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response(),
+    }
+}
+
+async fn models(State(state): State<AppState>) -> Response {
+    let max_model_len = state.loaded.get().map(|l| l.engine.limits.max_context);
+    Json(json!({"object": "list", "data": [{
+        "id": state.served_model, "object": "model", "created": state.created, "owned_by": "kiln", "max_model_len": max_model_len,
+    }]}))
+    .into_response()
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    let engine = state.loaded.get().map(|l| l.engine.stats.clone());
+    let body = state.metrics.render(engine.as_deref());
+    ([("content-type", "text/plain; version=0.0.4")], body).into_response()
+}
+
+/// Binds, then loads the model with `load` in the background (health answers 503 meanwhile),
+/// then serves until the process is stopped.
+pub async fn serve(state: AppState, addr: std::net::SocketAddr, load: impl FnOnce() -> anyhow::Result<Loaded> + Send + 'static) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+    eprintln!("kiln serve: listening on http://{addr} (model `{}` loading)", state.served_model);
+    let loading = state.clone();
+    let loader = tokio::task::spawn_blocking(move || {
+        let t = std::time::Instant::now();
+        let loaded = load()?;
+        let _ = loading.loaded.set(Arc::new(loaded));
+        eprintln!("kiln serve: model loaded in {:.2}s; ready", t.elapsed().as_secs_f64());
+        anyhow::Ok(())
+    });
+    let server = tokio::spawn(async move { axum::serve(listener, router(state)).await });
+    match loader.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(e.context("loading the model")),
+        Err(e) => return Err(anyhow::anyhow!("loading the model failed: {e}")),
+    }
+    server.await?.map_err(anyhow::Error::from)
+}

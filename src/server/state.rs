@@ -1,0 +1,63 @@
+//! Shared server state: configuration, metrics, and the model once it has loaded.
+
+use super::metrics::Metrics;
+use kiln_runtime::engine::chat_template::ChatTemplate;
+use kiln_runtime::engine::scheduler::EngineHandle;
+use kiln_runtime::engine::tokenizer::Tokenizer;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+/// Everything that exists only after the model is loaded.
+pub struct Loaded {
+    pub engine: EngineHandle,
+    pub tokenizer: Tokenizer,
+    /// The artifact's chat template (None: only /v1/completions works).
+    pub chat_template: Option<ChatTemplate>,
+    /// Token ids that end generation (the model's eos ids).
+    pub eos_ids: Vec<u32>,
+}
+
+pub struct Inner {
+    pub served_model: String,
+    pub api_key: Option<String>,
+    /// Accept `kiln_forced_output` (tests drive the parsers through the real HTTP path).
+    pub test_hooks: bool,
+    pub metrics: Metrics,
+    pub loaded: OnceLock<Arc<Loaded>>,
+    pub created: u64,
+    next_id: AtomicU64,
+}
+
+#[derive(Clone)]
+pub struct AppState(pub Arc<Inner>);
+
+impl std::ops::Deref for AppState {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.0
+    }
+}
+
+impl AppState {
+    pub fn new(served_model: String, api_key: Option<String>, test_hooks: bool) -> AppState {
+        AppState(Arc::new(Inner {
+            served_model,
+            api_key,
+            test_hooks,
+            metrics: Metrics::default(),
+            loaded: OnceLock::new(),
+            created: unix_now(),
+            next_id: AtomicU64::new(1),
+        }))
+    }
+
+    /// A process-unique id with a prefix, e.g. `cmpl-3f2a...-7`.
+    pub fn new_id(&self, prefix: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}-{:08x}{n}", self.created as u32 ^ (n as u32).wrapping_mul(0x9E37_79B9))
+    }
+}
+
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
