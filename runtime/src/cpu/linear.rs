@@ -1,7 +1,7 @@
 //! Linear layers: `y = x @ W^T` over BF16 or NVFP4 weights, f32 accumulation, with the SiLU-mul
 //! epilogue. Weights stay in the arena in their stored format and are decoded one row at a time.
 
-use super::quant::{decode_row, quantize_row};
+use super::quant::{decode_row, dot_row, quantize_row};
 use super::{scratch, ActQuant, Round};
 use crate::numerics::bf16_to_f32;
 use crate::plan::Epilogue;
@@ -148,6 +148,11 @@ pub(crate) fn linear(
                     Matrix::Nvfp4 { .. } => (lin.scale_2[p], 1.0, xq),
                     Matrix::Bf16(_) => (1.0, 1.0, xq),
                 };
+                if let (Matrix::Nvfp4 { packed, scales }, true, 1) = (lin.matrix, quant, tokens) {
+                    // Decode (one token, W4A4): dot straight from the packed bytes.
+                    yrow[0] = alpha * dot_row(packed, scales, k, nn, src);
+                    continue;
+                }
                 lin.decode(nn, mul, row);
                 for (t, y) in yrow.iter_mut().enumerate() {
                     let d = dot(&src[t * k..(t + 1) * k], row);

@@ -37,7 +37,7 @@ pub fn quantize_block_codes(x: &[f32], input_scale: f32) -> (u8, Vec<u8>) {
 
 /// `e2m1 * float(e4m3)` for every (byte, scale) pair would be a 64 Ki table; instead decode
 /// nibbles through the 16-entry E2M1 table and multiply by the block scale (exact in f32).
-const E2M1: [f32; 16] = {
+pub(crate) const E2M1: [f32; 16] = {
     let mag = crate::numerics::E2M1_VALUES;
     let mut t = [0f32; 16];
     let mut i = 0;
@@ -71,6 +71,37 @@ pub(crate) static E4M3_LUT: [f32; 256] = {
     t
 };
 
+/// Both E2M1 values of every packed byte (low nibble first), so a W4A4 dot product needs one
+/// table load per weight byte.
+static E2M1_PAIRS: [[f32; 2]; 256] = {
+    let mut t = [[0f32; 2]; 256];
+    let mut b = 0;
+    while b < 256 {
+        t[b] = [E2M1[b & 0xF], E2M1[b >> 4]];
+        b += 1;
+    }
+    t
+};
+
+/// `Σ_k x[k] · (e2m1 · float(scale))` over row `n` of an NVFP4 matrix, without decoding the row
+/// first (the W4A4 decode path: every product of an E2M1 weight and a quantised activation is
+/// exact in f32, so only the summation order differs from decode-then-dot).
+pub fn dot_row(packed: &[u8], scales: &[u8], k: usize, n: usize, x: &[f32]) -> f32 {
+    let row = &packed[n * k / 2..(n + 1) * k / 2];
+    let row_scales = &scales[n * k / BLOCK..(n + 1) * k / BLOCK];
+    let mut total = 0f32;
+    for ((bytes, &sf), xb) in row.chunks_exact(BLOCK / 2).zip(row_scales).zip(x.chunks_exact(BLOCK)) {
+        let mut acc = [0f32; 2];
+        for (&b, xp) in bytes.iter().zip(xb.chunks_exact(2)) {
+            let w = E2M1_PAIRS[b as usize];
+            acc[0] += w[0] * xp[0];
+            acc[1] += w[1] * xp[1];
+        }
+        total += (acc[0] + acc[1]) * E4M3_LUT[sf as usize];
+    }
+    total
+}
+
 /// Decodes row `n` of an NVFP4 matrix (`packed` `[N, K/2]`, low nibble = even k; `scales`
 /// `[N, K/16]` E4M3) into `out` (length K) as `(e2m1 * float(scale)) * mul`. With `mul = 1` the
 /// values are exact; W4A16 passes `weight_scale_2` so each element is rounded once, as the
@@ -90,6 +121,22 @@ pub fn decode_row(packed: &[u8], scales: &[u8], k: usize, n: usize, mul: f32, ou
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fused W4A4 dot equals decode-then-sum up to f32 summation order.
+    #[test]
+    fn dot_row_matches_decode_row() {
+        let k = 64;
+        let w: Vec<f32> = (0..3 * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let (packed, scales, _) = crate::numerics::quantize_nvfp4(&w, 3, k);
+        let x: Vec<f32> = (0..k).map(|i| ((i * 13 % 29) as f32 - 14.0) / 3.0).collect();
+        for n in 0..3 {
+            let mut row = vec![0f32; k];
+            decode_row(&packed, &scales, k, n, 1.0, &mut row);
+            let want: f64 = row.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let got = dot_row(&packed, &scales, k, n, &x) as f64;
+            assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0), "row {n}: {got} vs {want}");
+        }
+    }
     use crate::numerics::quantize_nvfp4;
 
     #[test]
