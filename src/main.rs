@@ -19,7 +19,10 @@ use std::process::ExitCode;
                   Quick start with the tiny synthetic model:\n  \
                   kiln synth tiny -o demo/ckpt\n  \
                   kiln compile demo/ckpt --target cpu -o demo/plan\n  \
-                  kiln inspect demo/plan"
+                  kiln inspect demo/plan\n  \
+                  kiln run demo/plan --chat --prompt \"Hello!\"\n  \
+                  kiln serve demo/plan --port 8000\n\n\
+                  For GLM-5-NVFP4 on 8x RTX PRO 6000: kiln compile CKPT --target sm_120a --tp 8 -o ART"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -28,14 +31,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    Bench(commands::bench::Args),
-    Run(commands::run::Args),
-    Serve(commands::serve::Args),
-    Compile(commands::compile::Args),
-    Emu(commands::emu::Args),
-    Inspect(commands::inspect::Args),
-    Logits(commands::logits::Args),
     Synth(commands::synth::Args),
+    Compile(commands::compile::Args),
+    Inspect(commands::inspect::Args),
+    Run(commands::run::Args),
+    Logits(commands::logits::Args),
+    Serve(commands::serve::Args),
+    Bench(commands::bench::Args),
+    Verify(commands::verify::Args),
+    Emu(commands::emu::Args),
 }
 
 fn main() -> ExitCode {
@@ -49,6 +53,7 @@ fn main() -> ExitCode {
         Command::Inspect(a) => commands::inspect::run(a),
         Command::Logits(a) => commands::logits::run(a),
         Command::Synth(a) => commands::synth::run(a),
+        Command::Verify(a) => commands::verify::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

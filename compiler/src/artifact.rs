@@ -2,6 +2,7 @@
 //! copied from the checkpoint.
 
 use crate::error::CompileError;
+use crate::passes::assemble::Cubin;
 use kiln_runtime::plan::{summary::summarize, write_plan, Plan};
 use std::path::Path;
 
@@ -14,7 +15,31 @@ pub const COPIED_FILES: [&str; 5] =
 /// Writes the artifact. `checkpoint_dir` is recorded in the manifest so `--weights` may be
 /// omitted while that directory exists.
 pub fn write_artifact(out: &Path, plan: &Plan, checkpoint_dir: &Path) -> Result<Vec<String>, CompileError> {
+    write_artifact_with(out, plan, &[], checkpoint_dir)
+}
+
+/// Directory of the kernels in an artifact: `<name>.ptx` per kernel, `<name>.cubin` beside it
+/// when ptxas assembled it.
+pub const KERNELS_DIR: &str = "kernels";
+
+/// [`write_artifact`] plus the cubins ptxas produced.
+pub fn write_artifact_with(out: &Path, plan: &Plan, cubins: &[Cubin], checkpoint_dir: &Path) -> Result<Vec<String>, CompileError> {
     std::fs::create_dir_all(out).map_err(CompileError::io(out))?;
+    let kdir = out.join(KERNELS_DIR);
+    if kdir.is_dir() {
+        std::fs::remove_dir_all(&kdir).map_err(CompileError::io(&kdir))?;
+    }
+    if !plan.kernels.is_empty() {
+        std::fs::create_dir_all(&kdir).map_err(CompileError::io(&kdir))?;
+        for k in &plan.kernels {
+            let path = kdir.join(format!("{}.ptx", k.name));
+            std::fs::write(&path, &k.ptx).map_err(CompileError::io(&path))?;
+        }
+        for c in cubins {
+            let path = kdir.join(format!("{}.cubin", c.name));
+            std::fs::write(&path, &c.bytes).map_err(CompileError::io(&path))?;
+        }
+    }
     write_plan(out, plan).map_err(|e| CompileError::Io { path: out.join("plan.bin"), error: std::io::Error::other(e.to_string()) })?;
     let mut copied = Vec::new();
     for name in COPIED_FILES {

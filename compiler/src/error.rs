@@ -51,6 +51,8 @@ pub enum CompileError {
         short: String,
     },
     // ---- kiln is at fault ----
+    #[error("kernel {kernel}: {message} (this is a kiln bug)")]
+    Kernel { kernel: String, message: String },
     #[error("internal compiler error after pass `{pass}`: {message} (this is a kiln bug)")]
     Verifier { pass: &'static str, message: String },
 }
@@ -63,7 +65,7 @@ impl CompileError {
 
     /// True when kiln itself, not the input, is at fault.
     pub fn is_internal(&self) -> bool {
-        matches!(self, CompileError::Verifier { .. })
+        matches!(self, CompileError::Verifier { .. } | CompileError::Kernel { .. })
     }
 }
 

@@ -3,12 +3,14 @@
 //!
 //! `compile()` reads the checkpoint headers, builds the model graph, then runs named passes, each
 //! followed by its verifier: shard (tensor parallelism) -> specialize (one program per shape
-//! bucket) -> memory (arena offsets, KV pages, proof that it fits).
+//! bucket) -> memory (arena offsets, KV pages, proof that it fits) -> lower (kernel instances and
+//! launches from `kernel-templates/`, GPU targets) -> assemble (ptxas, when found).
 
 pub mod artifact;
 pub mod checkpoint;
 pub mod error;
 pub mod graph;
+pub mod kernels;
 pub mod passes;
 pub mod synth;
 
@@ -18,7 +20,7 @@ pub use error::CompileError;
 
 use checkpoint::Checkpoint;
 use kiln_runtime::plan::{MoeParallel, Parallelism, Plan, FORMAT_VERSION};
-use passes::{memory, shard, specialize, verify};
+use passes::{assemble, lower, memory, shard, specialize, verify};
 
 #[derive(Debug, Clone)]
 pub struct CompileOptions {
@@ -33,6 +35,9 @@ pub struct CompileOptions {
     pub decode_batches: Vec<usize>,
     /// Longest sequence to serve (default: max_position_embeddings).
     pub max_context: Option<usize>,
+    /// Assemble the kernels with ptxas when it is found (resources into the plan, cubins into
+    /// the artifact).
+    pub assemble: bool,
 }
 
 impl Default for CompileOptions {
@@ -46,6 +51,7 @@ impl Default for CompileOptions {
             prefill_chunk: 8192,
             decode_batches: vec![1, 2, 4, 8, 16, 32, 64],
             max_context: None,
+            assemble: true,
         }
     }
 }
@@ -53,6 +59,10 @@ impl Default for CompileOptions {
 pub struct Compiled {
     pub plan: Plan,
     pub warnings: Vec<String>,
+    /// One per kernel when ptxas was found (written beside the PTX by `artifact::write_artifact_with`).
+    pub cubins: Vec<passes::assemble::Cubin>,
+    /// The ptxas that assembled them.
+    pub ptxas: Option<std::path::PathBuf>,
 }
 
 /// Prefill buckets: the chunk, then /4 steps down to 16 tokens, ascending.
@@ -121,7 +131,7 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
     verify::memory(&slots, &programs, &mem)?;
 
     let fingerprint = fingerprint(&sharded.graph.tensors);
-    let plan = Plan {
+    let mut plan = Plan {
         format_version: FORMAT_VERSION,
         compiler: format!("kiln {}", env!("CARGO_PKG_VERSION")),
         model: cfg,
@@ -134,8 +144,16 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
         programs,
         sharding: sharded.choices,
         ignored: sharded.graph.ignored,
+        kernels: Vec::new(),
+        missing_kernels: Vec::new(),
     };
-    Ok(Compiled { plan, warnings })
+    lower::lower(&mut plan)?;
+    let ptxas = if opts.assemble && plan.target.arch != kiln_runtime::plan::Arch::Cpu { assemble::find_ptxas() } else { None };
+    let cubins = match &ptxas {
+        Some(p) => assemble::assemble(&mut plan, p)?,
+        None => Vec::new(),
+    };
+    Ok(Compiled { plan, warnings, cubins, ptxas })
 }
 
 /// SHA-256 over (name, dtype, shape) of every bound tensor, in plan order (the runtime computes

@@ -13,6 +13,7 @@ pub mod plan;
 pub mod rng;
 pub mod safetensors;
 pub mod session;
+pub mod verify;
 
 pub use error::RuntimeError;
 pub use plan::{Plan, PlanError, FORMAT_VERSION};

@@ -105,6 +105,10 @@ impl Runner {
         &self.backend
     }
 
+    pub fn backend_mut(&mut self) -> &mut CpuBackend {
+        &mut self.backend
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.plan().model.vocab_size
     }
@@ -323,6 +327,10 @@ impl Session {
 
     pub fn backend(&self) -> &CpuBackend {
         self.runner.backend()
+    }
+
+    pub fn backend_mut(&mut self) -> &mut CpuBackend {
+        self.runner.backend_mut()
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -1,7 +1,8 @@
 use crate::bench::{report, run, BenchOptions};
 
-/// Benchmark a running `kiln serve` (or any OpenAI-compatible server) like SGLang's
-/// bench_serving: random prompts of --random-input-len tokens, --random-output-len generated
+/// Benchmark a running `kiln serve` (or any OpenAI-compatible server).
+///
+/// Like SGLang's bench_serving: random prompts of --random-input-len tokens, --random-output-len generated
 /// tokens each (ignore_eos), at most --max-concurrency in flight, streamed.
 #[derive(clap::Args)]
 pub struct Args {

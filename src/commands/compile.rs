@@ -38,6 +38,9 @@ pub struct Args {
     /// Longest sequence to serve (default: max_position_embeddings).
     #[arg(long)]
     max_context: Option<usize>,
+    /// Do not assemble the kernels with ptxas even when it is found.
+    #[arg(long)]
+    no_ptxas: bool,
     /// Output artifact directory.
     #[arg(short, long)]
     out: PathBuf,
@@ -54,14 +57,22 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         prefill_chunk: a.prefill_chunk,
         decode_batches: a.decode_batches,
         max_context: a.max_context,
+        assemble: !a.no_ptxas,
     };
     let compiled = compile(&a.checkpoint, &opts)?;
     for w in &compiled.warnings {
         eprintln!("warning: {w}");
     }
-    kiln_compiler::artifact::write_artifact(&a.out, &compiled.plan, &a.checkpoint)
+    kiln_compiler::artifact::write_artifact_with(&a.out, &compiled.plan, &compiled.cubins, &a.checkpoint)
         .with_context(|| format!("writing the artifact to {}", a.out.display()))?;
     let p = &compiled.plan;
+    if !p.kernels.is_empty() {
+        let lacking: usize = p.missing_kernels.iter().map(|m| m.steps).sum();
+        match &compiled.ptxas {
+            Some(ptxas) => eprintln!("{} kernels assembled with {} (0 spills); {lacking} steps still lack a kernel (kiln inspect)", p.kernels.len(), ptxas.display()),
+            None => eprintln!("{} kernels written as PTX (ptxas not found: set KILN_PTXAS to assemble); {lacking} steps still lack a kernel (kiln inspect)", p.kernels.len()),
+        }
+    }
     eprintln!(
         "compiled {} ({} layers, {} tensors) for {} x{} into {} in {:.2}s; KV capacity {} tokens per GPU",
         a.checkpoint.display(),

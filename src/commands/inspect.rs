@@ -51,6 +51,34 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     for p in &s.programs {
         writeln!(out, "  {:<16}{:>8}{:>8}{:>8}{:>8}{:>13}{:>14}", p.name, p.kind, p.tokens, p.logit_rows, p.steps, p.collectives, human_bytes(p.workspace_bytes))?;
     }
+    if plan.target.arch != kiln_runtime::plan::Arch::Cpu {
+        writeln!(out)?;
+        writeln!(out, "kernels ({} instances; registers / spills / static smem from ptxas -v, dynamic smem of the launch)", s.kernels.len())?;
+        for k in &s.kernels {
+            let res = match &k.resources {
+                Some(r) => format!(
+                    "{} regs, {} B spills, smem {} B static + {} B dynamic [{}]",
+                    r.registers,
+                    r.spill_store_bytes + r.spill_load_bytes,
+                    r.smem_static_bytes,
+                    k.smem_dynamic_bytes,
+                    r.arch.name()
+                ),
+                None => format!("smem {} B dynamic; not assembled (ptxas not found at compile time)", k.smem_dynamic_bytes),
+            };
+            writeln!(out, "  {:<14}{:>6} launches  {res}\n    {}", k.family, k.launches, k.name)?;
+        }
+        writeln!(out)?;
+        if s.missing_kernels.is_empty() {
+            writeln!(out, "every step has a kernel")?;
+        } else {
+            let steps: usize = s.missing_kernels.iter().map(|m| m.steps).sum();
+            writeln!(out, "families without kernels ({steps} steps; such steps cannot run on the GPU yet)")?;
+            for m in &s.missing_kernels {
+                writeln!(out, "  {:<18}{:>6} steps  {}", m.family, m.steps, m.reason)?;
+            }
+        }
+    }
     writeln!(out)?;
     writeln!(out, "sharding")?;
     for c in &s.sharding {

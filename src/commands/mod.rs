@@ -6,3 +6,4 @@ pub mod logits;
 pub mod run;
 pub mod synth;
 pub mod serve;
+pub mod verify;

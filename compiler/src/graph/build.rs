@@ -31,7 +31,7 @@ impl<'a> Builder<'a> {
     }
 
     fn push(&mut self, op: Op, kernel: KernelFamily) {
-        self.steps.push(Step { op, kernel });
+        self.steps.push(Step { op, kernel, launch: None });
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -1,5 +1,7 @@
 //! Compiler passes, run in order by [`crate::compile`]; each is followed by its verifier.
 
+pub mod assemble;
+pub mod lower;
 pub mod memory;
 pub mod shard;
 pub mod specialize;

@@ -19,6 +19,7 @@ mod linear;
 mod moe;
 mod norm;
 pub mod quant;
+pub mod reference;
 mod rope;
 mod router;
 mod scratch;
@@ -67,7 +68,7 @@ impl Default for CpuOptions {
 
 /// Rounding applied when a value is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Round(bool);
+pub(crate) struct Round(pub(crate) bool);
 
 impl Round {
     pub const NONE: Round = Round(false);
@@ -188,7 +189,52 @@ pub struct CpuBackend {
     last: Option<usize>,
     /// Worker threads of the kernels (one per core unless RAYON_NUM_THREADS says otherwise).
     pool: rayon::ThreadPool,
+    /// Called before and after every step (for `kiln verify`).
+    observer: Option<Observer>,
 }
+
+/// When an [`Observer`] is called.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepPhase {
+    Before,
+    After,
+}
+
+/// Read access to every rank's buffers and weights between two steps.
+pub struct StepView<'a> {
+    ranks: &'a [Rank],
+    /// Index of the program being replayed.
+    pub program: usize,
+    /// Index of the step in the program.
+    pub step: usize,
+    pub phase: StepPhase,
+    plan: &'a Plan,
+}
+
+impl StepView<'_> {
+    pub fn ranks(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// A float buffer of `rank` (BF16 buffers hold BF16-rounded values in `Precision::Bf16`).
+    pub fn buffer_f32(&self, rank: usize, buf: BufId) -> &[f32] {
+        let n = numel(&self.plan.programs[self.program], buf);
+        &self.ranks[rank].f[buf.0 as usize][..n]
+    }
+
+    pub fn buffer_i32(&self, rank: usize, buf: BufId) -> &[i32] {
+        let n = numel(&self.plan.programs[self.program], buf);
+        &self.ranks[rank].i[buf.0 as usize][..n]
+    }
+
+    /// The rank's weights arena (slot offsets as in `Plan::weights`).
+    pub fn arena(&self, rank: usize) -> &[u8] {
+        &self.ranks[rank].arena
+    }
+}
+
+/// A callback run around every step of every replay; it sees all ranks' buffers.
+pub type Observer = Box<dyn FnMut(&StepView) + Send>;
 
 /// Read-only context of one step.
 struct Cx<'a> {
@@ -235,7 +281,7 @@ impl CpuBackend {
         let (f32s, pairs) = scratch_bound(&plan);
         pool.broadcast(|_| scratch::reserve(f32s, pairs));
         scratch::reserve(f32s, pairs);
-        Ok(CpuBackend { plan, opts, rope, ranks, staging: Vec::new(), last: None, pool })
+        Ok(CpuBackend { plan, opts, rope, ranks, staging: Vec::new(), last: None, pool, observer: None })
     }
 
     pub fn plan(&self) -> &Plan {
@@ -244,6 +290,16 @@ impl CpuBackend {
 
     pub fn options(&self) -> CpuOptions {
         self.opts
+    }
+
+    /// The weights arena of `rank`.
+    pub fn arena(&self, rank: usize) -> Option<&[u8]> {
+        self.ranks.get(rank).map(|r| &r.arena[..])
+    }
+
+    /// Installs (or removes) a callback run before and after every step of every replay.
+    pub fn set_observer(&mut self, observer: Option<Observer>) {
+        self.observer = observer;
     }
 
     /// A float buffer of `rank` as the last replay of a program left it (every program value has
@@ -303,7 +359,8 @@ impl CpuBackend {
             }
         }
         let cx = Cx { plan: &self.plan, program, opts: self.opts, rope: &self.rope };
-        let (ranks, staging) = (&mut self.ranks, &mut self.staging);
+        let (ranks, staging, observer) = (&mut self.ranks, &mut self.staging, &mut self.observer);
+        let plan = &self.plan;
         // The whole replay runs inside the backend's pool: the kernels' parallel loops then queue
         // their tasks on the workers' own deques instead of the global injector (cheaper, and no
         // queue-block allocation per parallel loop).
@@ -315,6 +372,9 @@ impl CpuBackend {
                     }
                     other => other,
                 };
+                if let Some(o) = observer.as_mut() {
+                    o(&StepView { ranks, program: index, step: n, phase: StepPhase::Before, plan });
+                }
                 match step.op {
                     Op::AllReduce { buf } => all_reduce(ranks, staging, &cx, buf).map_err(at)?,
                     Op::AllGather { input, out } => all_gather(ranks, staging, &cx, input, out).map_err(at)?,
@@ -323,6 +383,9 @@ impl CpuBackend {
                             rank.exec(&cx, op).map_err(at)?;
                         }
                     }
+                }
+                if let Some(o) = observer.as_mut() {
+                    o(&StepView { ranks, program: index, step: n, phase: StepPhase::After, plan });
                 }
             }
             Ok(())

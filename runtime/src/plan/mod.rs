@@ -3,6 +3,7 @@
 mod config;
 mod dtype;
 mod io;
+mod kernel;
 mod memory;
 mod op;
 mod program;
@@ -13,6 +14,7 @@ mod weights;
 pub use config::ModelConfig;
 pub use dtype::DType;
 pub use io::{read_plan, write_plan, PlanError, PLAN_FILE};
+pub use kernel::{PtxArch, KernelId, KernelInfo, Launch, LaunchArg, MissingKernel, Resources};
 pub use memory::{KvLayout, MemoryPlan};
 pub use op::{AttentionForm, Epilogue, LinearPart, LinearWeights, Op, RouterParams};
 pub use program::{BufId, Buffer, Dim, KernelFamily, Program, ProgramInputs, ProgramKind, Step};
@@ -25,7 +27,7 @@ pub use weights::{
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever the serialized layout of [`Plan`] changes; the runtime refuses other versions.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 
 /// A compiled model for one target: the unit the runtime loads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -50,11 +52,19 @@ pub struct Plan {
     pub sharding: Vec<ShardChoice>,
     /// Checkpoint tensors recognised but deliberately not bound (e.g. the MTP layer).
     pub ignored: Vec<String>,
+    /// Kernel instances the steps launch (empty for the CPU target).
+    pub kernels: Vec<KernelInfo>,
+    /// Kernel families that steps need but that have no kernel yet, per family.
+    pub missing_kernels: Vec<MissingKernel>,
 }
 
 impl Plan {
     pub fn ranks(&self) -> usize {
         self.parallel.tp
+    }
+
+    pub fn kernel(&self, id: KernelId) -> &KernelInfo {
+        &self.kernels[id.0 as usize]
     }
 
     pub fn weight(&self, id: WeightId) -> &WeightSlot {

@@ -1,4 +1,4 @@
-use super::{DType, Op};
+use super::{DType, Launch, Op};
 use serde::{Deserialize, Serialize};
 
 /// Index of a [`Buffer`] in `Program::buffers`.
@@ -49,10 +49,34 @@ pub enum KernelFamily {
     Collective,
 }
 
+impl KernelFamily {
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelFamily::Embed => "embed",
+            KernelFamily::RmsNorm => "rmsnorm",
+            KernelFamily::LinearBf16 => "linear_bf16",
+            KernelFamily::LinearNvfp4 => "linear_nvfp4",
+            KernelFamily::MlaKvWrite => "mla_kv_write",
+            KernelFamily::IndexerKeyWrite => "indexer_key_write",
+            KernelFamily::IndexerTopK => "indexer_topk",
+            KernelFamily::MlaAttention => "mla_attention",
+            KernelFamily::Router => "router",
+            KernelFamily::MoeNvfp4 => "moe_nvfp4",
+            KernelFamily::MoeBf16 => "moe_bf16",
+            KernelFamily::Add => "add",
+            KernelFamily::GatherRows => "gather_rows",
+            KernelFamily::Collective => "collective",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Step {
     pub op: Op,
     pub kernel: KernelFamily,
+    /// The kernel launch that executes `op` on a GPU target (set by lowering; None on the CPU
+    /// target and for families without a kernel yet, see `Plan::missing_kernels`).
+    pub launch: Option<Launch>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

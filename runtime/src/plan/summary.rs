@@ -19,6 +19,30 @@ pub struct Summary {
     pub sharding: Vec<super::ShardChoice>,
     pub ignored: Vec<String>,
     pub tensors: usize,
+    /// Kernel instances with their ptxas resources (empty for the CPU target).
+    pub kernels: Vec<KernelSummary>,
+    /// Families that steps need but that have no kernel yet.
+    pub missing_kernels: Vec<MissingSummary>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct KernelSummary {
+    pub name: String,
+    pub family: String,
+    pub template: String,
+    /// Steps (over all programs) that launch it.
+    pub launches: usize,
+    /// Largest dynamic shared memory of its launches, in bytes.
+    pub smem_dynamic_bytes: u32,
+    /// What ptxas reported (None when ptxas was not found at compile time).
+    pub resources: Option<super::Resources>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct MissingSummary {
+    pub family: String,
+    pub steps: usize,
+    pub reason: String,
 }
 
 #[derive(Debug, Serialize)]
@@ -103,5 +127,36 @@ pub fn summarize(plan: &Plan) -> Summary {
         sharding: plan.sharding.clone(),
         ignored: plan.ignored.clone(),
         tensors: plan.tensors.len(),
+        kernels: plan
+            .kernels
+            .iter()
+            .enumerate()
+            .map(|(i, k)| KernelSummary {
+                name: k.name.clone(),
+                family: k.family.name().into(),
+                template: k.template.clone(),
+                launches: plan
+                    .programs
+                    .iter()
+                    .flat_map(|p| &p.steps)
+                    .filter(|s| s.launch.as_ref().is_some_and(|l| l.kernel.0 as usize == i))
+                    .count(),
+                smem_dynamic_bytes: plan
+                    .programs
+                    .iter()
+                    .flat_map(|p| &p.steps)
+                    .filter_map(|s| s.launch.as_ref())
+                    .filter(|l| l.kernel.0 as usize == i)
+                    .map(|l| l.smem_dynamic)
+                    .max()
+                    .unwrap_or(0),
+                resources: k.resources,
+            })
+            .collect(),
+        missing_kernels: plan
+            .missing_kernels
+            .iter()
+            .map(|m| MissingSummary { family: m.family.name().into(), steps: m.steps, reason: m.reason.clone() })
+            .collect(),
     }
 }

@@ -1,0 +1,285 @@
+//! Lowering: gives every plan step whose kernel family has a template its kernel instance and
+//! launch (fixed grid / block / shared memory and arguments over buffer and weight ids).
+//!
+//! Steps whose family has no template yet (or whose shape the template does not cover, e.g. a
+//! GEMV with too many rows) are recorded in `Plan::missing_kernels` and reported by
+//! `kiln inspect`. Once every family has a template this becomes a compile error (no silent
+//! fallback); today it cannot be, or GLM-5 would not compile at all.
+
+use crate::kernels::{LinearBf16GemvArgs, LinearBf16GemvParams, LinearNvfp4GemvArgs, LinearNvfp4GemvParams, Ptr, RmsnormArgs, RmsnormParams};
+use crate::CompileError;
+use kiln_runtime::plan::{
+    Arch, BufId, DType, Epilogue, KernelFamily, KernelId, KernelInfo, Launch, LaunchArg, LinearWeights, MissingKernel, Op, Plan,
+    Program,
+};
+use std::collections::BTreeMap;
+
+/// Threads per block of every kiln kernel so far (8 warps).
+pub const THREADS: u32 = 256;
+/// Output columns per block of the GEMVs: enough rows per block that re-reading the activations
+/// in every block costs little next to the weights (each weight byte is read once).
+pub const TASKS_PER_BLOCK: u32 = 64;
+/// Largest M the GEMV templates take (their accumulators are registers).
+pub const GEMV_MAX_M: usize = 32;
+/// Shared memory per block kiln's kernels may use (SM120's opt-in limit; every target).
+pub const SMEM_LIMIT: u32 = 101_376;
+
+/// A kernel instance before it is added to the plan.
+struct Instance {
+    template: &'static str,
+    entry: &'static str,
+    family: KernelFamily,
+    values: Vec<(&'static str, u64)>,
+    ptx: Result<String, String>,
+    smem: Result<u32, String>,
+    grid: u32,
+    args: Vec<LaunchArg>,
+}
+
+/// Attaches launches to the steps of every program; fills `plan.kernels` and
+/// `plan.missing_kernels`. Deterministic: kernels are numbered in order of first use.
+pub fn lower(plan: &mut Plan) -> Result<(), CompileError> {
+    let arch = match plan.target.arch {
+        Arch::Cpu => return Ok(()),
+        Arch::Sm120a => 120,
+        Arch::Sm90a => 90,
+    };
+    let smem_limit = SMEM_LIMIT.min(plan.target.smem_per_block);
+    let mut kernels: Vec<KernelInfo> = Vec::new();
+    let mut by_name: BTreeMap<String, KernelId> = BTreeMap::new();
+    let mut missing: BTreeMap<(KernelFamily, String), usize> = BTreeMap::new();
+    let mut programs = std::mem::take(&mut plan.programs);
+    for program in &mut programs {
+        for s in 0..program.steps.len() {
+            let step = &program.steps[s];
+            if step.kernel == KernelFamily::Collective {
+                continue;
+            }
+            match instance(plan, program, &step.op, arch, smem_limit) {
+                Err(reason) => *missing.entry((step.kernel, reason)).or_default() += 1,
+                Ok(inst) => {
+                    let smem = inst.smem.clone().map_err(|message| CompileError::Verifier { pass: "lower", message })?;
+                    let name = std::iter::once(inst.template.to_string())
+                        .chain(inst.values.iter().map(|(k, v)| format!("{}{v}", k.to_ascii_lowercase())))
+                        .collect::<Vec<_>>()
+                        .join("_");
+                    let id = match by_name.get(&name) {
+                        Some(&id) => id,
+                        None => {
+                            let ptx = inst.ptx.map_err(|message| CompileError::Verifier {
+                                pass: "lower",
+                                message: format!("rendering {name}: {message}"),
+                            })?;
+                            let id = KernelId(kernels.len() as u32);
+                            kernels.push(KernelInfo {
+                                name: name.clone(),
+                                family: inst.family,
+                                template: inst.template.into(),
+                                entry: inst.entry.into(),
+                                params: inst.values.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+                                ptx,
+                                resources: None,
+                            });
+                            by_name.insert(name, id);
+                            id
+                        }
+                    };
+                    program.steps[s].launch =
+                        Some(Launch { kernel: id, grid: [inst.grid, 1, 1], block: [THREADS, 1, 1], smem_dynamic: smem, args: inst.args });
+                }
+            }
+        }
+    }
+    plan.programs = programs;
+    plan.kernels = kernels;
+    plan.missing_kernels = missing.into_iter().map(|((family, reason), steps)| MissingKernel { family, steps, reason }).collect();
+    verify_launches(plan, smem_limit)
+}
+
+/// The verifier after lowering: every launch names a kernel of the plan, passes as many
+/// arguments as its entry takes and only buffers / weights that exist, and fits the limits.
+fn verify_launches(plan: &Plan, smem_limit: u32) -> Result<(), CompileError> {
+    let bug = |message: String| CompileError::Verifier { pass: "lower", message };
+    for p in &plan.programs {
+        for (s, step) in p.steps.iter().enumerate() {
+            let Some(l) = &step.launch else { continue };
+            let at = format!("{} step {s} ({})", p.name, step.op.name());
+            let k = plan.kernels.get(l.kernel.0 as usize).ok_or_else(|| bug(format!("{at}: kernel {} does not exist", l.kernel.0)))?;
+            if k.family != step.kernel {
+                return Err(bug(format!("{at}: launches {} ({:?}) for a {:?} step", k.name, k.family, step.kernel)));
+            }
+            let entry = format!(".entry {}(", k.entry);
+            let params = k.ptx.find(&entry).map(|i| k.ptx[i..].split(')').next().unwrap_or("").matches(".param").count());
+            if params != Some(l.args.len()) {
+                return Err(bug(format!("{at}: {} arguments for {} ({params:?} parameters)", l.args.len(), k.name)));
+            }
+            for a in &l.args {
+                match *a {
+                    LaunchArg::Buffer(b) if b.0 as usize >= p.buffers.len() => return Err(bug(format!("{at}: buffer {} does not exist", b.0))),
+                    LaunchArg::Weight(w) if w.0 as usize >= plan.weights.len() => return Err(bug(format!("{at}: weight {} does not exist", w.0))),
+                    _ => {}
+                }
+            }
+            if l.grid.contains(&0) || l.block[0] * l.block[1] * l.block[2] > 1024 || l.smem_dynamic > smem_limit {
+                return Err(bug(format!("{at}: launch {:?} x {:?} with {} B shared memory is out of bounds", l.grid, l.block, l.smem_dynamic)));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn numel(p: &Program, b: BufId) -> usize {
+    p.buffer(b).shape.iter().product()
+}
+
+fn width(p: &Program, b: BufId) -> usize {
+    p.buffer(b).shape.last().copied().unwrap_or(1)
+}
+
+/// 1 for BF16, 0 for F32, else why not.
+fn float_flag(dtype: DType, what: &str) -> Result<u32, String> {
+    match dtype {
+        DType::BF16 => Ok(1),
+        DType::F32 => Ok(0),
+        other => Err(format!("{what} is {other}; the template takes BF16 or F32")),
+    }
+}
+
+fn fits(bytes: usize, limit: u32, what: &str) -> Result<(), String> {
+    if bytes > limit as usize {
+        return Err(format!("{what} needs {bytes} B of shared memory (limit {limit} B); needs a tiled kernel"));
+    }
+    Ok(())
+}
+
+fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Result<Instance, String> {
+    match *op {
+        Op::RmsNorm { input, residual, weight, eps, out } => {
+            let h = width(p, out);
+            let rows = numel(p, out) / h.max(1);
+            fits(h * 4 + 128, smem_limit, &format!("rmsnorm over {h} values"))?;
+            let x_bf16 = float_flag(p.buffer(input).dtype, "the input")?;
+            let res_bf16 = match residual {
+                Some(r) => float_flag(p.buffer(r).dtype, "the residual")?,
+                None => 0,
+            };
+            let params = RmsnormParams {
+                arch,
+                rows: rows as u32,
+                h: h as u32,
+                threads: THREADS,
+                x_bf16,
+                res: residual.is_some() as u32,
+                res_bf16,
+                src_bf16: if residual.is_some() { res_bf16 } else { x_bf16 },
+                w_bf16: float_flag(plan.weight(weight).dtype, "the weight")?,
+                out_bf16: float_flag(p.buffer(out).dtype, "the output")?,
+            };
+            let args = RmsnormArgs {
+                x: Ptr::Buffer(input),
+                residual: Ptr::Buffer(residual.unwrap_or(input)),
+                weight: Ptr::Weight(weight),
+                out: Ptr::Buffer(out),
+                eps,
+            };
+            Ok(Instance {
+                template: RmsnormParams::TEMPLATE,
+                entry: RmsnormParams::ENTRY,
+                family: RmsnormParams::FAMILY,
+                values: params.values(),
+                ptx: params.render(),
+                smem: params.dynamic_smem(),
+                grid: rows as u32,
+                args: args.launch_args(),
+            })
+        }
+        Op::Linear { input, ref weights, ref parts, k, epilogue, out } => {
+            let m = numel(p, input) / k.max(1);
+            if m > GEMV_MAX_M {
+                return Err(format!("M > {GEMV_MAX_M} (prefill) needs the tiled mma GEMM, not templated yet"));
+            }
+            let x_bf16 = float_flag(p.buffer(input).dtype, "the input")?;
+            let out_bf16 = float_flag(p.buffer(out).dtype, "the output")?;
+            let n: usize = parts.iter().map(|q| q.rows).sum();
+            match *weights {
+                LinearWeights::Bf16 { weight } => {
+                    if epilogue != Epilogue::None {
+                        return Err("the BF16 GEMV has no SiLU-mul epilogue yet".into());
+                    }
+                    if k % 8 != 0 {
+                        return Err(format!("K = {k} is not a multiple of 8"));
+                    }
+                    fits(m * k * if x_bf16 == 1 { 2 } else { 4 }, smem_limit, &format!("a BF16 GEMV with M = {m}, K = {k}"))?;
+                    let params = LinearBf16GemvParams {
+                        arch,
+                        m: m as u32,
+                        n: n as u32,
+                        k: k as u32,
+                        tasks_per_block: TASKS_PER_BLOCK,
+                        threads: THREADS,
+                        x_bf16,
+                        out_bf16,
+                    };
+                    let args = LinearBf16GemvArgs { x: Ptr::Buffer(input), w: Ptr::Weight(weight), out: Ptr::Buffer(out) };
+                    Ok(Instance {
+                        template: LinearBf16GemvParams::TEMPLATE,
+                        entry: LinearBf16GemvParams::ENTRY,
+                        family: LinearBf16GemvParams::FAMILY,
+                        values: params.values(),
+                        ptx: params.render(),
+                        smem: params.dynamic_smem(),
+                        grid: (n as u32).div_ceil(TASKS_PER_BLOCK),
+                        args: args.launch_args(),
+                    })
+                }
+                LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => {
+                    if arch != 120 {
+                        return Err("the NVFP4 GEMV needs sm_120a (cvt e2m1x2, FP4 tensor cores)".into());
+                    }
+                    if k % 16 != 0 || parts.is_empty() || parts.len() > 2 {
+                        return Err(format!("K = {k} with {} parts is outside the NVFP4 GEMV template", parts.len()));
+                    }
+                    let silu = epilogue == Epilogue::SiluMul;
+                    if silu && (parts.len() != 2 || parts[0].rows != parts[1].rows) {
+                        return Err("SiLU-mul needs two equal parts".into());
+                    }
+                    fits(parts.len() * m * k * 2 + 16, smem_limit, &format!("an NVFP4 GEMV with M = {m}, K = {k}"))?;
+                    let tasks = if silu { parts[0].rows } else { n };
+                    let params = LinearNvfp4GemvParams {
+                        arch,
+                        m: m as u32,
+                        n: n as u32,
+                        k: k as u32,
+                        n0: parts[0].rows as u32,
+                        parts: parts.len() as u32,
+                        silu: silu as u32,
+                        tasks: tasks as u32,
+                        tasks_per_block: TASKS_PER_BLOCK,
+                        threads: THREADS,
+                        x_bf16,
+                        out_bf16,
+                    };
+                    let args = LinearNvfp4GemvArgs {
+                        x: Ptr::Buffer(input),
+                        w: Ptr::Weight(weight),
+                        sf: Ptr::Weight(scale),
+                        scale_2: Ptr::Weight(scale_2),
+                        input_scale: Ptr::Weight(input_scale),
+                        out: Ptr::Buffer(out),
+                    };
+                    Ok(Instance {
+                        template: LinearNvfp4GemvParams::TEMPLATE,
+                        entry: LinearNvfp4GemvParams::ENTRY,
+                        family: LinearNvfp4GemvParams::FAMILY,
+                        values: params.values(),
+                        ptx: params.render(),
+                        smem: params.dynamic_smem(),
+                        grid: (tasks as u32).div_ceil(TASKS_PER_BLOCK),
+                        args: args.launch_args(),
+                    })
+                }
+            }
+        }
+        _ => Err("no template yet".into()),
+    }
+}

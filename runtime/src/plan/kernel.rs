@@ -1,0 +1,87 @@
+//! Kernel instances and launches attached to plan steps by the compiler's lowering pass.
+
+use super::{BufId, KernelFamily, WeightId};
+use serde::{Deserialize, Serialize};
+
+/// Index of a [`KernelInfo`] in `Plan::kernels`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct KernelId(pub u32);
+
+/// One shape-specialised kernel: a PTX module with a single entry, written to
+/// `kernels/<name>.ptx` in the artifact (and `kernels/<name>.cubin` when ptxas was found).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KernelInfo {
+    /// Unique and descriptive (`<template>_<param values>`); also the file stem.
+    pub name: String,
+    pub family: KernelFamily,
+    /// The template it was rendered from (`kernel-templates/<template>.ptx`).
+    pub template: String,
+    pub entry: String,
+    /// The template's shape parameters, in header order.
+    pub params: Vec<(String, u64)>,
+    /// The rendered PTX text.
+    pub ptx: String,
+    /// Resource usage reported by `ptxas -v` (None when ptxas was not found at compile time).
+    pub resources: Option<Resources>,
+}
+
+/// What ptxas reported for one kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resources {
+    pub arch: PtxArch,
+    pub registers: u32,
+    pub spill_store_bytes: u32,
+    pub spill_load_bytes: u32,
+    pub stack_bytes: u32,
+    /// Static shared memory of the kernel.
+    pub smem_static_bytes: u32,
+}
+
+/// The ptxas architecture a cubin was built for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PtxArch {
+    Sm120a,
+    Sm90a,
+}
+
+impl PtxArch {
+    pub fn name(self) -> &'static str {
+        match self {
+            PtxArch::Sm120a => "sm_120a",
+            PtxArch::Sm90a => "sm_90a",
+        }
+    }
+}
+
+/// A kernel argument, resolved per rank at load time: buffers are workspace offsets, weights arena
+/// offsets (every rank has the same layout).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum LaunchArg {
+    /// Device address of a program buffer.
+    Buffer(BufId),
+    /// Device address of a weight slot.
+    Weight(WeightId),
+    U32(u32),
+    F32(f32),
+}
+
+/// The launch of a step: fixed grid, block and dynamic shared memory (captured in the graph).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Launch {
+    pub kernel: KernelId,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    /// Dynamic shared memory in bytes (kiln's kernels use static shared memory: 0).
+    pub smem_dynamic: u32,
+    pub args: Vec<LaunchArg>,
+}
+
+/// A kernel family some steps need but that has no template (yet) for the target or shape.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MissingKernel {
+    pub family: KernelFamily,
+    /// Steps (over all programs) left without a launch.
+    pub steps: usize,
+    /// Why, e.g. "no template" or "activations of 64 x 6144 do not fit shared memory".
+    pub reason: String,
+}

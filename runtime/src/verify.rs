@@ -1,0 +1,191 @@
+//! Step-by-step verification of a plan's kernels against the CPU reference: one step's launch
+//! runs in the PTX emulator on exactly the values the CPU backend had before the step, and its
+//! outputs are compared with what the CPU backend wrote. Behind `kiln verify --backend emu`.
+//!
+//! Tolerances (per element, `ref` = CPU value, `max` = largest |ref| of the step's output):
+//! * BF16 outputs: `|emu - ref| <= 2^-7 |ref| + 2^-12 max` — both sides round once to BF16, and
+//!   the f32 sums differ only in summation order (the NVFP4 GEMV's per-block products are exact on
+//!   both sides because both quantise the activations identically), so a result may land one BF16
+//!   ulp (at most 2^-7 relative) away; the absolute term covers cancellation.
+//! * F32 outputs: `|emu - ref| <= 2^-16 |ref| + 2^-20 max` (summation order, `ex2.approx`).
+
+use crate::emu::{self, GlobalMemory, KernelArg, Module};
+use crate::numerics::{bf16_to_f32, f32_to_bf16};
+use crate::plan::{BufId, DType, Launch, LaunchArg, Plan, Program};
+
+/// The values of one buffer (float buffers as f32, I32 buffers as i32).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Values {
+    F32(Vec<f32>),
+    I32(Vec<i32>),
+}
+
+/// What emulating one step produced.
+#[derive(Debug, Clone)]
+pub struct Emulated {
+    /// The step's written buffers, as the kernel left them.
+    pub outputs: Vec<(BufId, Values)>,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    /// Bytes the step must read at least: every distinct weight slot and input buffer once.
+    pub compulsory_read: u64,
+}
+
+/// How one step's outputs compare with the CPU's.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Comparison {
+    pub max_abs: f64,
+    /// Largest `|emu - ref| / |ref|` over elements with `|ref| >= 2^-10 max`.
+    pub max_rel: f64,
+    pub elements: usize,
+    /// Elements beyond the tolerance.
+    pub beyond: usize,
+    /// NaN or Inf in the emulator's output (where the CPU's is finite).
+    pub non_finite: usize,
+}
+
+impl Comparison {
+    pub fn ok(&self) -> bool {
+        self.beyond == 0 && self.non_finite == 0
+    }
+
+    fn merge(&mut self, o: &Comparison) {
+        self.max_abs = self.max_abs.max(o.max_abs);
+        self.max_rel = self.max_rel.max(o.max_rel);
+        self.elements += o.elements;
+        self.beyond += o.beyond;
+        self.non_finite += o.non_finite;
+    }
+}
+
+fn encode(dtype: DType, v: &Values) -> Result<Vec<u8>, String> {
+    Ok(match (dtype, v) {
+        (DType::BF16, Values::F32(x)) => x.iter().flat_map(|&f| f32_to_bf16(f).to_le_bytes()).collect(),
+        (DType::F32, Values::F32(x)) => x.iter().flat_map(|f| f.to_le_bytes()).collect(),
+        (DType::I32, Values::I32(x)) => x.iter().flat_map(|i| i.to_le_bytes()).collect(),
+        (d, _) => return Err(format!("cannot pass a {d} buffer to the emulator")),
+    })
+}
+
+fn decode(dtype: DType, bytes: &[u8]) -> Values {
+    match dtype {
+        DType::BF16 => Values::F32(bytes.chunks_exact(2).map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect()),
+        DType::I32 => Values::I32(bytes.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()),
+        _ => Values::F32(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()),
+    }
+}
+
+/// Runs `launch` (a step of `program`) in the emulator. `value(buf)` gives a buffer's contents
+/// before the step; `arena` is the rank's weights arena; `reads` the step's inputs (they count as
+/// compulsory traffic) and `writes` the buffers to read back.
+pub fn emulate(
+    plan: &Plan,
+    program: &Program,
+    launch: &Launch,
+    module: &Module,
+    reads: &[BufId],
+    writes: &[BufId],
+    value: &dyn Fn(BufId) -> Values,
+    arena: &[u8],
+) -> Result<Emulated, String> {
+    let kernel = plan.kernel(launch.kernel);
+    let mut g = GlobalMemory::new();
+    let mut bufs: Vec<(BufId, emu::BufferId)> = Vec::new();
+    let mut weights: Vec<(crate::plan::WeightId, emu::BufferId)> = Vec::new();
+    let mut compulsory = 0u64;
+    let mut args = Vec::new();
+    for a in &launch.args {
+        args.push(match *a {
+            LaunchArg::Buffer(b) => {
+                let id = match bufs.iter().find(|(x, _)| *x == b) {
+                    Some(&(_, id)) => id,
+                    None => {
+                        let buf = program.buffer(b);
+                        let bytes = encode(buf.dtype, &value(b))?;
+                        if reads.contains(&b) {
+                            compulsory += bytes.len() as u64;
+                        }
+                        let id = g.alloc_bytes(&buf.name, &bytes);
+                        bufs.push((b, id));
+                        id
+                    }
+                };
+                KernelArg::U64(g.addr(id))
+            }
+            LaunchArg::Weight(w) => {
+                let id = match weights.iter().find(|(x, _)| *x == w) {
+                    Some(&(_, id)) => id,
+                    None => {
+                        let s = plan.weight(w);
+                        let bytes = arena.get(s.offset as usize..(s.offset + s.bytes) as usize).ok_or_else(|| format!("slot `{}` lies outside the arena", s.name))?;
+                        compulsory += bytes.len() as u64;
+                        let id = g.alloc_bytes(&s.name, bytes);
+                        weights.push((w, id));
+                        id
+                    }
+                };
+                KernelArg::U64(g.addr(id))
+            }
+            LaunchArg::U32(v) => KernelArg::U32(v),
+            LaunchArg::F32(v) => KernelArg::F32(v),
+        });
+    }
+    let stats = emu::launch(module, &kernel.entry, launch.grid, launch.block, launch.smem_dynamic, &args, &mut g).map_err(|e| e.to_string())?;
+    let outputs = writes
+        .iter()
+        .map(|&b| {
+            let id = bufs.iter().find(|(x, _)| *x == b).map(|&(_, id)| id).ok_or_else(|| format!("the launch does not pass written buffer {}", program.buffer(b).name))?;
+            Ok((b, decode(program.buffer(b).dtype, &g.read(id))))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    Ok(Emulated { outputs, bytes_read: stats.global_bytes_read(), bytes_written: stats.global_bytes_written(), compulsory_read: compulsory })
+}
+
+/// Compares an emulated output with the CPU's, under the tolerance for its dtype.
+pub fn compare(dtype: DType, emu: &Values, cpu: &Values) -> Comparison {
+    let (e, c): (Vec<f64>, Vec<f64>) = match (emu, cpu) {
+        (Values::F32(e), Values::F32(c)) => (e.iter().map(|&v| v as f64).collect(), c.iter().map(|&v| v as f64).collect()),
+        (Values::I32(e), Values::I32(c)) => (e.iter().map(|&v| v as f64).collect(), c.iter().map(|&v| v as f64).collect()),
+        _ => return Comparison { beyond: 1, ..Default::default() },
+    };
+    let (rtol, atol) = match dtype {
+        DType::BF16 => (2f64.powi(-7), 2f64.powi(-12)),
+        DType::I32 => (0.0, 0.0),
+        _ => (2f64.powi(-16), 2f64.powi(-20)),
+    };
+    let max = c.iter().filter(|v| v.is_finite()).fold(0f64, |m, v| m.max(v.abs()));
+    let mut r = Comparison { elements: c.len(), ..Default::default() };
+    if e.len() != c.len() {
+        r.beyond = c.len().max(1);
+        return r;
+    }
+    for (&x, &y) in e.iter().zip(&c) {
+        if !x.is_finite() {
+            if y.is_finite() {
+                r.non_finite += 1;
+            }
+            continue;
+        }
+        let d = (x - y).abs();
+        r.max_abs = r.max_abs.max(d);
+        if y.abs() >= max * 2f64.powi(-10) && y != 0.0 {
+            r.max_rel = r.max_rel.max(d / y.abs());
+        }
+        if d > rtol * y.abs() + atol * max {
+            r.beyond += 1;
+        }
+    }
+    r
+}
+
+/// Compares every output of a step.
+pub fn compare_outputs(program: &Program, emu: &[(BufId, Values)], cpu: &[(BufId, Values)]) -> Comparison {
+    let mut all = Comparison::default();
+    for (b, e) in emu {
+        match cpu.iter().find(|(x, _)| x == b) {
+            Some((_, c)) => all.merge(&compare(program.buffer(*b).dtype, e, c)),
+            None => all.beyond += 1,
+        }
+    }
+    all
+}
