@@ -28,7 +28,7 @@ fn main() {
     let pages: Vec<u32> = (0..(prompt.len() + tokens + 8).div_ceil(Forward::page_size(&runner)) as u32).collect();
     let mut token = argmax(&Forward::prefill(&mut runner, &pages, 0, &prompt).expect("prefill"));
     let mut pos = prompt.len();
-    let mut step = |runner: &mut Runner, token: &mut u32, pos: &mut usize| {
+    let step = |runner: &mut Runner, token: &mut u32, pos: &mut usize| {
         let logits = Forward::decode(runner, &[DecodeItem { pages: &pages, pos: *pos, token: *token }]).expect("decode");
         *token = argmax(&logits);
         *pos += 1;

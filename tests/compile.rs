@@ -314,7 +314,7 @@ fn inspect_reports_memory_programs_and_sharding() {
     assert_eq!(names, ["prefill_16", "prefill_64", "decode_1", "decode_3"]);
     // Liveness reuse: the workspace is far smaller than all buffers laid end to end.
     let plan = kiln_runtime::plan::read_plan(&art).unwrap();
-    let p = plan.prefill_program(64).unwrap();
+    let p = &plan.programs[plan.prefill_program(64).unwrap()];
     let total: u64 = p.buffers.iter().map(|b| b.bytes).sum();
     assert!(p.workspace_bytes * 4 < total, "workspace {} vs sum of buffers {total}", p.workspace_bytes);
 }

@@ -184,8 +184,11 @@ impl Runner {
         let mut done = 0;
         while done < ids.len() {
             let remaining = ids.len() - done;
-            let (index, tokens, logit_rows) = prefill_program(self.plan(), remaining)
+            let index = self
+                .plan()
+                .prefill_program(remaining)
                 .ok_or_else(|| RuntimeError::Unsupported { message: "the plan has no prefill program".into() })?;
+            let (tokens, logit_rows) = (self.plan().programs[index].tokens, self.plan().programs[index].logit_rows);
             let mut m = remaining.min(tokens);
             if rows == LogitRows::All {
                 m = m.min(logit_rows);
@@ -240,7 +243,9 @@ impl Runner {
         }
         self.out.clear();
         for group in batch.chunks(largest) {
-            let index = decode_program(self.plan(), group.len())
+            let index = self
+                .plan()
+                .decode_program(group.len())
                 .ok_or_else(|| RuntimeError::internal("no decode program holds the largest decode batch"))?;
             let inputs = &mut self.inputs;
             let program = &self.backend.plan().programs[index];
@@ -469,24 +474,4 @@ impl Session {
 
 fn unknown(seq: SeqId) -> RuntimeError {
     RuntimeError::input("sequence", format!("{} is not an active sequence", seq.0))
-}
-
-/// (index, tokens, logit rows) of the smallest prefill program holding `tokens`, else the largest.
-fn prefill_program(plan: &Plan, tokens: usize) -> Option<(usize, usize, usize)> {
-    let prefill = || plan.programs.iter().enumerate().filter(|(_, p)| matches!(p.kind, ProgramKind::Prefill { .. }));
-    prefill()
-        .filter(|(_, p)| p.tokens >= tokens)
-        .min_by_key(|(_, p)| p.tokens)
-        .or_else(|| prefill().max_by_key(|(_, p)| p.tokens))
-        .map(|(i, p)| (i, p.tokens, p.logit_rows))
-}
-
-/// Index of the smallest decode program holding `batch` sequences.
-fn decode_program(plan: &Plan, batch: usize) -> Option<usize> {
-    plan.programs
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| matches!(p.kind, ProgramKind::Decode { batch: b } if b >= batch))
-        .min_by_key(|(_, p)| p.tokens)
-        .map(|(i, _)| i)
 }

@@ -86,6 +86,7 @@ fn collect(rx: &mpsc::Receiver<Event>) -> (Vec<u32>, Option<FinishReason>, Optio
     let mut toks = Vec::new();
     loop {
         match rx.recv_timeout(Duration::from_secs(10)).expect("engine answers") {
+            Event::Admitted | Event::Prefilled { .. } => {}
             Event::Token(t) => toks.push(t),
             Event::Finished { reason, completion_tokens, .. } => {
                 assert_eq!(completion_tokens, toks.len());
@@ -140,14 +141,36 @@ fn a_cancelled_client_frees_its_pages_at_once() {
         .submit(
             request(vec![1, 2, 3], 50),
             Box::new(move |e| {
-                left -= 1;
+                if matches!(e, Event::Token(_)) {
+                    left -= 1;
+                }
                 tx.send(e).is_ok() && left > 0
             }),
         )
         .unwrap();
-    let got: Vec<Event> = rx.iter().collect();
+    let got: Vec<Event> = rx.iter().filter(|e| matches!(e, Event::Token(_))).collect();
     assert_eq!(got.len(), 3);
     wait_for_zero_pages(&engine);
+
+    // Clients that leave while queued or during prefill are dropped before any token.
+    for hang_up_on in [0usize, 1] {
+        let (tx, rx) = mpsc::channel();
+        let mut seen = 0;
+        engine
+            .submit(
+                request((0..12).collect(), 50),
+                Box::new(move |e| {
+                    let alive = seen < hang_up_on;
+                    seen += 1;
+                    let _ = tx.send(e);
+                    alive
+                }),
+            )
+            .unwrap();
+        let got: Vec<Event> = rx.iter().collect();
+        assert!(got.iter().all(|e| !matches!(e, Event::Token(_))), "{got:?}");
+        wait_for_zero_pages(&engine);
+    }
 }
 
 #[test]

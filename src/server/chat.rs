@@ -41,7 +41,7 @@ pub async fn chat_completions(State(state): State<AppState>, Extension(rid): Ext
         Some(_) => return Err(ApiError::invalid("`tools` must be a list", Some("tools"))),
     };
     let forced = forced_tokens(&state, &loaded, p.forced_output.as_deref())?;
-    let spec = GenerationSpec { prompt, max_tokens: p.max_tokens, sampling: p.sampling, stop: p.stop, ignore_eos: p.ignore_eos, forced };
+    let spec = GenerationSpec { prompt, prompt_param: "messages", max_tokens: p.max_tokens, sampling: p.sampling, stop: p.stop, ignore_eos: p.ignore_eos, forced };
     let mut gen = Generation::start(&state, loaded, spec)?;
     let mut parser = OutputParser::new(thinking, tools.as_deref());
     let id = state.new_id("chatcmpl");

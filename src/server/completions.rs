@@ -22,7 +22,10 @@ pub async fn completions(State(state): State<AppState>, Extension(rid): Extensio
         Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
             loaded.tokenizer.encode(items[0].as_str().unwrap_or_default()).map_err(|e| ApiError::invalid(e.to_string(), Some("prompt")))?
         }
-        Some(Value::Array(items)) if items.iter().all(|i| i.is_u64()) => items.iter().map(|i| i.as_u64().unwrap_or(0) as u32).collect(),
+        Some(Value::Array(items)) if items.iter().all(|i| i.is_u64()) => items
+            .iter()
+            .map(|i| u32::try_from(i.as_u64().unwrap_or(u64::MAX)).map_err(|_| ApiError::invalid(format!("token id {i} is out of range"), Some("prompt"))))
+            .collect::<Result<_, _>>()?,
         Some(Value::Array(_)) => return Err(ApiError::invalid("`prompt` must be a string, a list with one string, or a list of token ids", Some("prompt"))),
         _ => return Err(ApiError::invalid("`prompt` is required", Some("prompt"))),
     };
@@ -30,7 +33,7 @@ pub async fn completions(State(state): State<AppState>, Extension(rid): Extensio
         return Err(ApiError::invalid("`prompt` is empty", Some("prompt")));
     }
     let forced = forced_tokens(&state, &loaded, p.forced_output.as_deref())?;
-    let spec = GenerationSpec { prompt, max_tokens: p.max_tokens, sampling: p.sampling, stop: p.stop, ignore_eos: p.ignore_eos, forced };
+    let spec = GenerationSpec { prompt, prompt_param: "prompt", max_tokens: p.max_tokens, sampling: p.sampling, stop: p.stop, ignore_eos: p.ignore_eos, forced };
     let mut gen = Generation::start(&state, loaded, spec)?;
     let id = state.new_id("cmpl");
     let model = state.served_model.clone();

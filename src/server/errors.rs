@@ -19,8 +19,8 @@ impl ApiError {
         ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), kind: "invalid_request_error", param, code: None }
     }
 
-    pub fn context_length(message: impl Into<String>) -> ApiError {
-        ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid(message, Some("messages")) }
+    pub fn context_length(message: impl Into<String>, param: &'static str) -> ApiError {
+        ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid(message, Some(param)) }
     }
 
     pub fn model_not_found(model: &str, served: &str) -> ApiError {

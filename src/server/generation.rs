@@ -44,6 +44,8 @@ pub fn forced_tokens(state: &AppState, loaded: &Loaded, text: Option<&str>) -> R
 
 pub struct GenerationSpec {
     pub prompt: Vec<u32>,
+    /// The request field the prompt came from (`prompt` or `messages`), for error messages.
+    pub prompt_param: &'static str,
     pub max_tokens: Option<usize>,
     pub sampling: kiln_runtime::engine::sampling::SamplingParams,
     pub stop: Vec<String>,
@@ -56,20 +58,22 @@ impl Generation {
     pub fn start(state: &AppState, loaded: Arc<Loaded>, spec: GenerationSpec) -> Result<Generation, ApiError> {
         let limits = loaded.engine.limits;
         if spec.prompt.len() >= limits.max_context {
-            return Err(ApiError::context_length(format!(
-                "This model's maximum context length is {} tokens; the prompt has {} tokens",
-                limits.max_context,
-                spec.prompt.len()
-            )));
+            return Err(ApiError::context_length(
+                format!("This model's maximum context length is {} tokens; the prompt has {} tokens", limits.max_context, spec.prompt.len()),
+                spec.prompt_param,
+            ));
         }
         let room = limits.max_context - spec.prompt.len();
         let max_tokens = spec.max_tokens.unwrap_or(room);
         if max_tokens > room {
-            return Err(ApiError::context_length(format!(
-                "This model's maximum context length is {} tokens; the prompt has {} tokens and max_tokens asks for {max_tokens} more",
-                limits.max_context,
-                spec.prompt.len()
-            )));
+            return Err(ApiError::context_length(
+                format!(
+                    "This model's maximum context length is {} tokens; the prompt has {} tokens and max_tokens asks for {max_tokens} more",
+                    limits.max_context,
+                    spec.prompt.len()
+                ),
+                "max_tokens",
+            ));
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let request = GenerationRequest {
@@ -105,7 +109,11 @@ impl Generation {
             return None;
         }
         let metrics = &self.state.metrics;
-        let event = self.rx.recv().await;
+        // Progress events only prove the client is still there (the engine cancels on failure).
+        let mut event = self.rx.recv().await;
+        while matches!(event, Some(Event::Admitted | Event::Prefilled { .. })) {
+            event = self.rx.recv().await;
+        }
         let now = Instant::now();
         match event {
             Some(Event::Token(id)) => {
@@ -135,6 +143,7 @@ impl Generation {
                 Some(Ok(self.done(reason, tail)))
             }
             Some(Event::Error(e)) => Some(Err(self.fail(request_id, e))),
+            Some(Event::Admitted | Event::Prefilled { .. }) => unreachable!("skipped above"),
             None => Some(Err(self.fail(request_id, "the engine stopped"))),
         }
     }

@@ -4,6 +4,9 @@ use super::errors::ApiError;
 use kiln_runtime::engine::sampling::SamplingParams;
 use serde_json::Value;
 
+pub const MAX_STOP_STRINGS: usize = 16;
+pub const MAX_STOP_BYTES: usize = 256;
+
 pub struct CommonParams {
     pub model: Option<String>,
     /// None: as many as the context allows.
@@ -53,7 +56,8 @@ pub fn parse_common(v: &Value, chat: bool) -> Result<CommonParams, ApiError> {
         Some(Value::String(s)) => Some(s.clone()),
         Some(x) => return Err(ApiError::invalid(format!("`model` must be a string, got {x}"), Some("model"))),
     };
-    let key = if chat && v.get("max_completion_tokens").is_some() { "max_completion_tokens" } else { "max_tokens" };
+    let given = |k: &str| v.get(k).is_some_and(|x| !x.is_null());
+    let key = if chat && given("max_completion_tokens") { "max_completion_tokens" } else { "max_tokens" };
     let max_tokens = match integer(v, key)? {
         None => (!chat).then_some(16),
         Some(n) if n >= 1 => Some(n as usize),
@@ -90,6 +94,10 @@ pub fn parse_common(v: &Value, chat: bool) -> Result<CommonParams, ApiError> {
             .collect::<Result<_, _>>()?,
         Some(_) => return Err(ApiError::invalid("`stop` must be a string or a list of strings", Some("stop"))),
     };
+    // Every generated token is checked against every stop string: keep that cheap.
+    if stop.len() > MAX_STOP_STRINGS || stop.iter().any(|s: &String| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::invalid(format!("at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_BYTES} bytes each"), Some("stop")));
+    }
     let stream = boolean(v, "stream")?;
     let include_usage = v.get("stream_options").map(|o| boolean(o, "include_usage")).transpose()?.unwrap_or(false);
     Ok(CommonParams {

@@ -166,7 +166,12 @@ def test_errors():
     status, body = raw("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1})
     check("negative max_tokens 400", status == 400 and body["error"]["param"] == "max_tokens", (status, body))
     status, body = raw("/v1/completions", {"model": MODEL, "prompt": "x" * 5000, "max_tokens": 4})
-    check("prompt longer than context 400", status == 400 and body["error"]["code"] == "context_length_exceeded", (status, body))
+    check("prompt longer than context 400", status == 400 and body["error"]["code"] == "context_length_exceeded"
+          and body["error"]["param"] == "prompt", (status, body))
+    status, body = raw("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "stop": ["s" * 300]})
+    check("oversized stop string 400", status == 400 and body["error"]["param"] == "stop", (status, body))
+    status, body = raw("/v1/completions", {"model": MODEL, "prompt": [1, 2, 2**40], "max_tokens": 4})
+    check("token id out of range 400", status == 400 and body["error"]["param"] == "prompt", (status, body))
     status, body = raw("/v1/chat/completions", {"model": MODEL})
     check("missing messages 400", status == 400 and body["error"]["param"] == "messages", (status, body))
     try:

@@ -47,7 +47,8 @@ impl Sampler {
     /// Picks the next token from one row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = self.params;
-        if p.temperature == 0.0 || p.top_k == 1 {
+        // Below this, logit / temperature overflows f32: it is greedy in all but name.
+        if p.temperature < 1e-5 || p.top_k == 1 {
             return argmax(logits);
         }
         let c = &mut self.candidates;
@@ -62,8 +63,10 @@ impl Sampler {
             c.select_nth_unstable_by(p.top_k - 1, by_logit);
             c.truncate(p.top_k);
         }
-        c.sort_unstable_by(by_logit);
-        let max = c[0].1;
+        if p.top_p < 1.0 {
+            c.sort_unstable_by(by_logit); // top-p needs the most likely first
+        }
+        let max = c.iter().fold(f32::NEG_INFINITY, |m, e| m.max(e.1));
         let mut total = 0.0f64;
         for e in c.iter_mut() {
             e.1 = (e.1 - max).exp();

@@ -36,6 +36,10 @@ pub enum FinishReason {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
+    /// The request left the queue and holds its KV pages.
+    Admitted,
+    /// `tokens` of the prompt are in the cache (sent after every prefill chunk).
+    Prefilled { tokens: usize },
     Token(u32),
     Finished { reason: FinishReason, prompt_tokens: usize, completion_tokens: usize },
     Error(String),
@@ -106,6 +110,9 @@ impl EngineHandle {
                 request.prompt.len(),
                 l.max_context
             )));
+        }
+        if let Some(bad) = request.forced.iter().flatten().find(|&&t| t as usize >= l.vocab_size) {
+            return Err(Rejected::Invalid(format!("forced token id {bad} is outside the vocabulary of {}", l.vocab_size)));
         }
         if request.max_tokens == 0 {
             return Err(Rejected::Invalid("max_tokens must be at least 1".into()));
@@ -222,8 +229,12 @@ impl Engine {
                 continue;
             }
             let Some(pages) = self.pages.alloc(need) else { break };
-            let s = self.waiting.pop_front().expect("front exists");
+            let mut s = self.waiting.pop_front().expect("front exists");
             self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
+            if !(s.sink)(Event::Admitted) {
+                self.pages.release(pages); // the client left while queued
+                continue;
+            }
             self.stats.prompt_tokens.fetch_add(s.request.prompt.len() as u64, Ordering::Relaxed);
             let sampler = Sampler::new(s.request.sampling);
             self.running.push(Sequence { request: s.request, sink: s.sink, sampler, pages, cached: 0, next: 0, generated: 0, limit });
@@ -241,10 +252,14 @@ impl Engine {
         match result {
             Ok(logits) => {
                 s.cached = end;
+                if !(s.sink)(Event::Prefilled { tokens: end }) {
+                    self.finish(i); // the client left during a long prefill
+                    return;
+                }
                 if end == s.request.prompt.len() {
                     let token = s.next_token(&logits);
                     if !self.emit(i, token) {
-                        self.finish(i, None);
+                        self.finish(i);
                     }
                 }
             }
@@ -289,7 +304,7 @@ impl Engine {
         }
         done.sort_unstable();
         for i in done.into_iter().rev() {
-            self.finish(i, None);
+            self.finish(i);
         }
     }
 
@@ -319,10 +334,10 @@ impl Engine {
 
     fn fail(&mut self, i: usize, message: String) {
         (self.running[i].sink)(Event::Error(message));
-        self.finish(i, None);
+        self.finish(i);
     }
 
-    fn finish(&mut self, i: usize, _: Option<()>) {
+    fn finish(&mut self, i: usize) {
         let s = self.running.swap_remove(i);
         self.pages.release(s.pages);
         self.publish();

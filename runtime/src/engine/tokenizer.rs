@@ -40,22 +40,27 @@ impl Tokenizer {
 }
 
 /// Turns a growing token sequence into text deltas, holding back incomplete UTF-8 (a byte-level
-/// token can end in the middle of a character).
+/// token can end in the middle of a character). Decodes only a short window per token (the
+/// tokens since the last emitted text plus the one before), so long generations stay linear.
 #[derive(Default)]
 pub struct StreamDecoder {
     ids: Vec<u32>,
-    emitted: usize,
+    /// Start of the window decoded for context.
+    prefix: usize,
+    /// End of the text already emitted.
+    read: usize,
 }
 
 impl StreamDecoder {
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, TokenizerError> {
         self.ids.push(id);
-        let text = tok.decode(&self.ids)?;
-        if text.ends_with('\u{FFFD}') || text.len() < self.emitted || !text.is_char_boundary(self.emitted) {
+        let before = tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = tok.decode(&self.ids[self.prefix..])?;
+        if now.len() <= before.len() || now.ends_with('\u{FFFD}') || !now.is_char_boundary(before.len()) || !now.starts_with(&before) {
             return Ok(String::new());
         }
-        let delta = text[self.emitted..].to_string();
-        self.emitted = text.len();
-        Ok(delta)
+        self.prefix = self.read;
+        self.read = self.ids.len();
+        Ok(now[before.len()..].to_string())
     }
 }

@@ -71,20 +71,24 @@ impl Plan {
         &self.weights[id.0 as usize]
     }
 
-    /// The smallest decode program that holds `batch` sequences, if any.
-    pub fn decode_program(&self, batch: usize) -> Option<&Program> {
+    /// Index of the smallest decode program that holds `batch` sequences, if any.
+    pub fn decode_program(&self, batch: usize) -> Option<usize> {
         self.programs
             .iter()
-            .filter(|p| matches!(p.kind, ProgramKind::Decode { batch: b } if b >= batch))
-            .min_by_key(|p| p.tokens)
+            .enumerate()
+            .filter(|(_, p)| matches!(p.kind, ProgramKind::Decode { batch: b } if b >= batch))
+            .min_by_key(|(_, p)| p.tokens)
+            .map(|(i, _)| i)
     }
 
-    /// The smallest prefill program whose chunk holds `tokens` tokens, else the largest one.
-    pub fn prefill_program(&self, tokens: usize) -> Option<&Program> {
-        let prefill = || self.programs.iter().filter(|p| matches!(p.kind, ProgramKind::Prefill { .. }));
+    /// Index of the smallest prefill program whose chunk holds `tokens` tokens, else of the
+    /// largest one (the caller then prefills in chunks).
+    pub fn prefill_program(&self, tokens: usize) -> Option<usize> {
+        let prefill = || self.programs.iter().enumerate().filter(|(_, p)| matches!(p.kind, ProgramKind::Prefill { .. }));
         prefill()
-            .filter(|p| p.tokens >= tokens)
-            .min_by_key(|p| p.tokens)
-            .or_else(|| prefill().max_by_key(|p| p.tokens))
+            .filter(|(_, p)| p.tokens >= tokens)
+            .min_by_key(|(_, p)| p.tokens)
+            .or_else(|| prefill().max_by_key(|(_, p)| p.tokens))
+            .map(|(i, _)| i)
     }
 }
