@@ -5,6 +5,7 @@
 use crate::bind::bind;
 use crate::cpu::{CpuBackend, CpuOptions, Inputs};
 use crate::engine::forward::{DecodeItem, Forward};
+use crate::engine::pages::PageAllocator;
 use crate::error::RuntimeError;
 use crate::plan::{read_plan, Plan, ProgramKind};
 use std::path::{Path, PathBuf};
@@ -302,8 +303,7 @@ impl Forward for Runner {
 /// A [`Runner`] that also owns the KV pages: sequences are created, fed and released by id.
 pub struct Session {
     runner: Runner,
-    /// Free pages, highest first (pages are handed out lowest first, so the cache stays compact).
-    free: Vec<u32>,
+    pages: PageAllocator,
     seqs: Vec<Option<Sequence>>,
 }
 
@@ -318,8 +318,8 @@ impl Session {
     }
 
     pub fn new(runner: Runner) -> Session {
-        let pages = runner.total_pages() as u32;
-        Session { runner, free: (0..pages).rev().collect(), seqs: Vec::new() }
+        let pages = PageAllocator::new(runner.total_pages());
+        Session { runner, pages, seqs: Vec::new() }
     }
 
     pub fn runner(&self) -> &Runner {
@@ -363,8 +363,7 @@ impl Session {
     /// Frees the sequence and its pages.
     pub fn release(&mut self, seq: SeqId) {
         if let Some(s) = self.seqs.get_mut(seq.0 as usize).and_then(Option::take) {
-            self.free.extend(s.pages);
-            self.free.sort_unstable_by(|a, b| b.cmp(a));
+            self.pages.release(s.pages);
         }
     }
 
@@ -388,13 +387,12 @@ impl Session {
             ));
         }
         let need = len.div_ceil(self.runner.page_size()).saturating_sub(s.pages.len());
-        if need > self.free.len() {
-            return Err(RuntimeError::KvFull { message: format!("the sequence needs {need} more pages, {} are free", self.free.len()) });
-        }
-        let at = self.free.len() - need;
-        let pages = self.free.split_off(at);
+        let available = self.pages.available();
+        let pages = self.pages.alloc(need).ok_or_else(|| RuntimeError::KvFull {
+            message: format!("the sequence needs {need} more pages, {available} are free"),
+        })?;
         if let Some(s) = self.seqs[seq.0 as usize].as_mut() {
-            s.pages.extend(pages.into_iter().rev());
+            s.pages.extend(pages);
         }
         Ok(())
     }

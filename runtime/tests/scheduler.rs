@@ -220,3 +220,51 @@ fn stop_tokens_and_rejections() {
     let (sink, _rx) = channel_sink();
     assert!(matches!(full.submit(request(vec![1], 2), sink), Err(Rejected::QueueFull { .. })));
 }
+
+/// A backend that dies: the engine reports itself stopped and no client hangs.
+struct Crashing;
+
+impl Forward for Crashing {
+    fn vocab_size(&self) -> usize {
+        VOCAB
+    }
+    fn page_size(&self) -> usize {
+        PAGE
+    }
+    fn total_pages(&self) -> usize {
+        8
+    }
+    fn max_context(&self) -> usize {
+        32
+    }
+    fn max_decode_batch(&self) -> usize {
+        2
+    }
+    fn max_prefill_chunk(&self) -> usize {
+        4
+    }
+    fn prefill(&mut self, _: &[u32], _: usize, _: &[u32]) -> Result<Vec<f32>, String> {
+        panic!("backend bug");
+    }
+    fn decode(&mut self, _: &[DecodeItem<'_>]) -> Result<Vec<f32>, String> {
+        unreachable!()
+    }
+}
+
+#[test]
+fn a_dead_engine_is_reported_and_releases_its_clients() {
+    let engine = start(Box::new(Crashing), 10);
+    let (sink, rx) = channel_sink();
+    engine.submit(request(vec![1, 2], 4), sink).unwrap();
+    // The sink is dropped with the engine thread: the client sees the channel close.
+    while let Ok(e) = rx.recv_timeout(Duration::from_secs(10)) {
+        assert!(matches!(e, Event::Admitted), "{e:?}");
+    }
+    let t = Instant::now();
+    while !engine.stats.stopped.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(t.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (sink, _rx) = channel_sink();
+    assert!(matches!(engine.submit(request(vec![1], 2), sink), Err(Rejected::Stopped)));
+}

@@ -1,8 +1,8 @@
 use kiln_runtime::session::{Runner, SessionOptions};
 use kiln_runtime::engine::chat_template::{ChatInput, ChatTemplate};
-use kiln_runtime::engine::forward::{DecodeItem, Forward};
-use kiln_runtime::engine::pages::PageAllocator;
-use kiln_runtime::engine::sampling::{Sampler, SamplingParams};
+use kiln_runtime::engine::forward::Forward;
+use kiln_runtime::engine::scheduler::{self, Event, GenerationRequest};
+use kiln_runtime::engine::sampling::SamplingParams;
 use kiln_runtime::engine::tokenizer::{StreamDecoder, Tokenizer};
 use std::io::Write;
 use std::path::PathBuf;
@@ -59,9 +59,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.prompt.clone()
     };
     let prompt = tok.encode(&text)?;
-    let mut model = Runner::open(&a.artifact, a.weights.as_deref(), SessionOptions { progress: true, ..SessionOptions::default() })?;
+    let model = Runner::open(&a.artifact, a.weights.as_deref(), SessionOptions { progress: true, ..SessionOptions::default() })?;
     let eos = model.plan().model.eos_token_ids.clone();
-    let limit = model.max_context();
+    let limit = Forward::max_context(&model);
     if prompt.len() + a.max_tokens > limit {
         anyhow::bail!(
             "the prompt has {} tokens and --max-tokens asks for {} more, but the plan's context is {limit} tokens",
@@ -69,38 +69,37 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             a.max_tokens
         );
     }
-    let mut pages = PageAllocator::new(model.total_pages());
-    let need = (prompt.len() + a.max_tokens).div_ceil(model.page_size());
-    let seq_pages = pages.alloc(need).ok_or_else(|| anyhow::anyhow!("the KV cache holds {} pages, {need} needed", model.total_pages()))?;
-
+    // The same engine `kiln serve` uses, with one request.
+    let engine = scheduler::start(Box::new(model), 1);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let request = GenerationRequest { prompt: prompt.clone(), max_tokens: a.max_tokens, sampling: params, stop_ids: eos, ignore_eos: false, forced: None };
+    let start = Instant::now();
+    engine.submit(request, Box::new(move |e| tx.send(e).is_ok())).map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut out = std::io::stdout().lock();
-    let mut sampler = Sampler::new(params);
     let mut decoder = StreamDecoder::default();
-    let t0 = Instant::now();
-    let logits = Forward::prefill(&mut model, &seq_pages, 0, &prompt).map_err(anyhow::Error::msg)?;
-    let prefill_s = t0.elapsed().as_secs_f64();
-    let mut token = sampler.sample(&logits);
-    let t1 = Instant::now();
-    let mut generated = 0;
-    while !eos.contains(&token) {
-        generated += 1;
-        write!(out, "{}", decoder.push(&tok, token)?)?;
-        out.flush()?;
-        if generated == a.max_tokens {
-            break;
+    let (mut prefill_s, mut first_token, mut generated) = (0.0, None, 0usize);
+    for event in rx {
+        match event {
+            Event::Admitted => {}
+            Event::Prefilled { tokens } if tokens == prompt.len() => prefill_s = start.elapsed().as_secs_f64(),
+            Event::Prefilled { .. } => {}
+            Event::Token(id) => {
+                first_token.get_or_insert_with(Instant::now);
+                generated += 1;
+                write!(out, "{}", decoder.push(&tok, id)?)?;
+                out.flush()?;
+            }
+            Event::Finished { .. } => break,
+            Event::Error(e) => anyhow::bail!("generation failed: {e}"),
         }
-        let item = DecodeItem { pages: &seq_pages, pos: prompt.len() + generated - 1, token };
-        let logits = Forward::decode(&mut model, &[item]).map_err(anyhow::Error::msg)?;
-        token = sampler.sample(&logits);
     }
-    let decode_s = t1.elapsed().as_secs_f64();
     writeln!(out)?;
+    let decode_s = first_token.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
     eprintln!(
-        "[{} prompt tokens in {:.3}s ({:.1} tok/s); {generated} generated in {:.3}s ({:.1} tok/s decode)]",
+        "[{} prompt tokens in {:.3}s ({:.1} tok/s); {generated} generated, {:.1} tok/s decode]",
         prompt.len(),
         prefill_s,
         prompt.len() as f64 / prefill_s.max(1e-9),
-        decode_s,
         generated.saturating_sub(1) as f64 / decode_s.max(1e-9)
     );
     Ok(())

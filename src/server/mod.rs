@@ -79,6 +79,9 @@ pub fn loaded(state: &AppState, model: Option<&str>) -> Result<Arc<Loaded>, ApiE
 
 async fn health(State(state): State<AppState>) -> Response {
     match state.loaded.get() {
+        Some(l) if l.engine.stats.stopped.load(std::sync::atomic::Ordering::SeqCst) => {
+            (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "engine stopped"}))).into_response()
+        }
         Some(_) => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
         None => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response(),
     }

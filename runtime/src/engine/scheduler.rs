@@ -65,6 +65,17 @@ pub struct EngineStats {
     pub kv_pages_total: AtomicUsize,
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
+    /// Set when the engine thread has ended (including by a panic): nothing will be served.
+    pub stopped: std::sync::atomic::AtomicBool,
+}
+
+/// Marks the engine stopped when its thread ends, however it ends.
+struct StoppedOnDrop(Arc<EngineStats>);
+
+impl Drop for StoppedOnDrop {
+    fn drop(&mut self) {
+        self.0.stopped.store(true, Ordering::SeqCst);
+    }
 }
 
 /// Limits the server derives from the plan.
@@ -167,7 +178,10 @@ pub fn start(model: Box<dyn Forward>, max_waiting: usize) -> EngineHandle {
     let thread_stats = stats.clone();
     std::thread::Builder::new()
         .name("kiln-engine".into())
-        .spawn(move || Engine::new(model, thread_stats).run(rx))
+        .spawn(move || {
+            let _guard = StoppedOnDrop(thread_stats.clone());
+            Engine::new(model, thread_stats).run(rx)
+        })
         .expect("spawn engine thread");
     EngineHandle { tx, stats, limits, max_waiting }
 }
