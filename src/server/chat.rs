@@ -5,7 +5,7 @@
 use super::errors::ApiError;
 use super::generation::{forced_tokens, Generation, GenerationSpec, Piece};
 use super::params::{parse_body, parse_common};
-use super::sse::{sse_response, SseItem};
+use super::sse::sse_response;
 use super::state::unix_now;
 use super::{loaded, AppState, RequestId};
 use axum::body::Bytes;
@@ -95,23 +95,23 @@ pub async fn chat_completions(State(state): State<AppState>, Extension(rid): Ext
         let mut out = Vec::new();
         if first {
             first = false;
-            out.push(SseItem::Json(chunk(json!({"role": "assistant", "content": ""}), None)));
+            out.push(chunk(json!({"role": "assistant", "content": ""}), None));
         }
         match piece {
             Piece::Token { text } => {
                 reasoning_tokens += parser.in_reasoning() as usize;
-                out.extend(delta_chunk(parser.push(&text)).map(|d| SseItem::Json(chunk(d, None))));
+                out.extend(delta_chunk(parser.push(&text)).map(|d| chunk(d, None)));
             }
             Piece::Done { reason, tail, prompt_tokens, completion_tokens } => {
-                out.extend(delta_chunk(parser.push(&tail)).map(|d| SseItem::Json(chunk(d, None))));
-                out.extend(delta_chunk(parser.finish()).map(|d| SseItem::Json(chunk(d, None))));
+                out.extend(delta_chunk(parser.push(&tail)).map(|d| chunk(d, None)));
+                out.extend(delta_chunk(parser.finish()).map(|d| chunk(d, None)));
                 let finish = if !parser.tool_calls().is_empty() && reason == "stop" { "tool_calls" } else { reason };
-                out.push(SseItem::Json(chunk(json!({}), Some(finish))));
+                out.push(chunk(json!({}), Some(finish)));
                 if include_usage {
                     let mut u = chunk(json!({}), None);
                     u["choices"] = json!([]);
                     u["usage"] = usage(prompt_tokens, completion_tokens, reasoning_tokens);
-                    out.push(SseItem::Json(u));
+                    out.push(u);
                 }
             }
         }

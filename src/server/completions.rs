@@ -3,7 +3,7 @@
 use super::errors::ApiError;
 use super::generation::{forced_tokens, Generation, GenerationSpec, Piece};
 use super::params::{parse_body, parse_common};
-use super::sse::{sse_response, SseItem};
+use super::sse::sse_response;
 use super::state::unix_now;
 use super::{loaded, RequestId};
 use super::AppState;
@@ -63,14 +63,14 @@ pub async fn completions(State(state): State<AppState>, Extension(rid): Extensio
     let include_usage = p.include_usage;
     Ok(sse_response(gen, rid, move |piece| match piece {
         Piece::Token { text } if text.is_empty() => vec![],
-        Piece::Token { text } => vec![SseItem::Json(chunk(&text, None))],
+        Piece::Token { text } => vec![chunk(&text, None)],
         Piece::Done { reason, tail, prompt_tokens, completion_tokens } => {
-            let mut out = vec![SseItem::Json(chunk(&tail, Some(reason)))];
+            let mut out = vec![chunk(&tail, Some(reason))];
             if include_usage {
                 let mut u = chunk("", None);
                 u["choices"] = json!([]);
                 u["usage"] = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
-                out.push(SseItem::Json(u));
+                out.push(u);
             }
             out
         }

@@ -8,21 +8,17 @@ use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream};
 use std::convert::Infallible;
 
-pub enum SseItem {
-    Json(serde_json::Value),
-}
-
-/// Streams `gen` through `render`, which turns each piece into zero or more chunks.
+/// Streams `gen` through `render`, which turns each piece into zero or more JSON chunks.
 pub fn sse_response<F>(gen: Generation, rid: RequestId, render: F) -> Response
 where
-    F: FnMut(Piece) -> Vec<SseItem> + Send + 'static,
+    F: FnMut(Piece) -> Vec<serde_json::Value> + Send + 'static,
 {
     Sse::new(events(gen, rid, render)).keep_alive(KeepAlive::default()).into_response()
 }
 
 fn events<F>(gen: Generation, rid: RequestId, render: F) -> impl Stream<Item = Result<Event, Infallible>>
 where
-    F: FnMut(Piece) -> Vec<SseItem> + Send + 'static,
+    F: FnMut(Piece) -> Vec<serde_json::Value> + Send + 'static,
 {
     // State: the generation (None once finished), the renderer, and chunks ready to send.
     stream::unfold((Some(gen), render, Vec::<Event>::new(), false), move |(mut gen, mut render, mut ready, mut done)| {
@@ -44,7 +40,7 @@ where
                 match g.next(&rid.0).await {
                     Some(Ok(piece)) => {
                         let finished = matches!(piece, Piece::Done { .. });
-                        ready.extend(render(piece).into_iter().map(|SseItem::Json(v)| Event::default().data(v.to_string())));
+                        ready.extend(render(piece).into_iter().map(|v| Event::default().data(v.to_string())));
                         if finished {
                             gen = None;
                         }
