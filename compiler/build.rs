@@ -48,13 +48,17 @@ fn main() {
         let pdocs: Vec<String> = h.params.iter().map(|(_, d)| format!(" {d}")).collect();
         let pnames: Vec<&str> = h.params.iter().map(|(n, _)| n.as_str()).collect();
         let afields: Vec<Ident> = h.args.iter().map(|(n, _, _)| ident(n)).collect();
-        let adocs: Vec<String> = h.args.iter().map(|(_, _, d)| format!(" {d}")).collect();
+        let adocs: Vec<String> = h
+            .args
+            .iter()
+            .map(|(_, t, d)| if t == "rank_u32" { format!(" {d} (per rank: the launch passes `rank * this`)") } else { format!(" {d}") })
+            .collect();
         let atypes: Vec<TokenStream> = h
             .args
             .iter()
             .map(|(_, t, _)| match t.as_str() {
                 "ptr" => quote!(Ptr),
-                "u32" => quote!(u32),
+                "u32" | "rank_u32" => quote!(u32),
                 _ => quote!(f32),
             })
             .collect();
@@ -66,6 +70,7 @@ fn main() {
                 match t.as_str() {
                     "ptr" => quote!(self.#f.into()),
                     "u32" => quote!(LaunchArg::U32(self.#f)),
+                    "rank_u32" => quote!(LaunchArg::PerRank(self.#f)),
                     _ => quote!(LaunchArg::F32(self.#f)),
                 }
             })

@@ -1,10 +1,11 @@
 //! Kernel templates against the CPU reference: every family rendered for ragged shapes (N and K
 //! not multiples of the tiles, M = 1, 3, 17), run on the PTX emulator, compared with the CPU
 //! backend's op under `kiln verify`'s tolerances; the decode NVFP4 GEMV reads each weight byte
-//! once (global bytes read / compulsory bytes <= 1.10).
+//! once (global bytes read / compulsory bytes <= 1.10). The copies (add, gather_rows, embed on
+//! every rank of a split vocabulary) are bit-exact; the router's expert ids are exact.
 
-use kiln_compiler::kernels::{LinearBf16GemvParams, LinearNvfp4GemvParams, RmsnormParams, TEMPLATES};
-use kiln_compiler::passes::lower::{TASKS_PER_BLOCK, THREADS};
+use kiln_compiler::kernels::{AddParams, EmbedArgs, EmbedParams, GatherRowsParams, Ptr, RouterParams, LinearBf16GemvParams, LinearNvfp4GemvParams, RmsnormParams, TEMPLATES};
+use kiln_compiler::passes::lower::{ELEMENTWISE_MAX_GRID, TASKS_PER_BLOCK, THREADS};
 use kiln_runtime::cpu::reference;
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
 use kiln_runtime::numerics::{bf16_to_f32, f32_to_bf16, quantize_nvfp4, round_bf16};
@@ -108,7 +109,7 @@ fn nvfp4_case(c: &Nvfp4Case, seed: u64) -> (LaunchStats, u64) {
 
 #[test]
 fn every_family_has_its_template() {
-    assert_eq!(TEMPLATES, &["linear_bf16_gemv", "linear_nvfp4_gemv", "rmsnorm"]);
+    assert_eq!(TEMPLATES, &["add", "embed", "gather_rows", "linear_bf16_gemv", "linear_nvfp4_gemv", "rmsnorm", "router"]);
 }
 
 #[test]
@@ -199,4 +200,167 @@ fn rmsnorm_matches_the_cpu_with_and_without_residual() {
             check("rmsnorm residual", res_bf16, &floats(&g.read(br), res_bf16), &want_res);
         }
     }
+}
+
+#[test]
+fn add_matches_the_cpu_on_ragged_sizes() {
+    // One partial block, several blocks, and more elements than the capped grid covers at once.
+    let big = (ELEMENTWISE_MAX_GRID * THREADS) as usize * 2 + 77;
+    for (i, &(n, a_bf16, b_bf16, out_bf16)) in [(1, true, true, true), (300, true, false, true), (4099, false, false, false), (big, true, true, true), (513, false, true, false)].iter().enumerate() {
+        let mut rng = Rng::new(400 + i as u64);
+        let a = randn(&mut rng, n, 3.0, a_bf16);
+        let b = randn(&mut rng, n, 1.0, b_bf16);
+        let mut want = vec![0f32; n];
+        reference::add(&a, &b, out_bf16, &mut want);
+        let grid = (n as u32).div_ceil(THREADS).clamp(1, ELEMENTWISE_MAX_GRID);
+        let params = AddParams { arch: 120, n: n as u32, grid, threads: THREADS, a_bf16: a_bf16 as u32, b_bf16: b_bf16 as u32, out_bf16: out_bf16 as u32 };
+        let module = Module::parse(&params.render().unwrap(), "add.ptx").unwrap();
+        let mut g = GlobalMemory::new();
+        let ba = g.alloc_bytes("a", &bytes(&a, a_bf16));
+        let bb = g.alloc_bytes("b", &bytes(&b, b_bf16));
+        let bo = g.alloc("out", n * if out_bf16 { 2 } else { 4 });
+        let args: Vec<KernelArg> = [ba, bb, bo].iter().map(|&x| KernelArg::U64(g.addr(x))).collect();
+        launch(&module, AddParams::ENTRY, [grid, 1, 1], [THREADS, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+        let got = floats(&g.read(bo), out_bf16);
+        check(&format!("add N={n}"), out_bf16, &got, &want);
+        // One f32 addition rounded once on both sides: bit-exact.
+        assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "add N={n} must be bit-exact");
+    }
+}
+
+#[test]
+fn gather_rows_matches_the_cpu_with_out_of_range_rows() {
+    for (i, &(in_rows, h, in_bf16, out_bf16)) in [(5, 1, true, true), (17, 300, true, true), (3, 513, false, true), (40, 72, false, false)].iter().enumerate() {
+        let mut rng = Rng::new(500 + i as u64);
+        let src = randn(&mut rng, in_rows * h, 2.0, in_bf16);
+        // in range, repeated, negative, one past the end, far out of range
+        let mut rows: Vec<i32> = vec![0, in_rows as i32 - 1, -1, in_rows as i32, 1 % in_rows as i32, i32::MIN, i32::MAX, 2 % in_rows as i32, 2 % in_rows as i32];
+        rows.extend((0..in_rows as i32).rev());
+        let out_rows = rows.len();
+        let mut want = vec![0f32; out_rows * h];
+        reference::gather_rows(&src, &rows, h, out_bf16, &mut want);
+        let params = GatherRowsParams { arch: 120, out_rows: out_rows as u32, in_rows: in_rows as u32, h: h as u32, threads: THREADS, in_bf16: in_bf16 as u32, out_bf16: out_bf16 as u32 };
+        let module = Module::parse(&params.render().unwrap(), "gather_rows.ptx").unwrap();
+        let mut g = GlobalMemory::new();
+        let bi = g.alloc_bytes("input", &bytes(&src, in_bf16));
+        let br = g.alloc_bytes("rows", &rows.iter().flat_map(|r| r.to_le_bytes()).collect::<Vec<u8>>());
+        // Poison the output: zero rows must be written, not left alone.
+        let bo = g.alloc_bytes("out", &vec![0x7Fu8; out_rows * h * if out_bf16 { 2 } else { 4 }]);
+        let args: Vec<KernelArg> = [bi, br, bo].iter().map(|&x| KernelArg::U64(g.addr(x))).collect();
+        launch(&module, GatherRowsParams::ENTRY, [out_rows as u32, 1, 1], [THREADS, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+        let got = floats(&g.read(bo), out_bf16);
+        check(&format!("gather_rows {in_rows}x{h}"), out_bf16, &got, &want);
+        assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "gather_rows must be bit-exact");
+    }
+}
+
+#[test]
+fn embed_matches_the_cpu_on_every_rank_of_a_split_vocabulary() {
+    use kiln_runtime::plan::{BufId, LaunchArg, WeightId};
+    // (ranks, vocab rows per rank, h, out_bf16): ragged widths; ids cover every rank's slice,
+    // both ends of each, and ids past the vocabulary or negative (zero rows everywhere).
+    for (i, &(ranks, vocab_rows, h, out_bf16)) in [(1, 37, 300, true), (2, 11, 33, true), (4, 5, 257, false), (8, 3, 1, true)].iter().enumerate() {
+        let mut rng = Rng::new(600 + i as u64);
+        let vocab = ranks * vocab_rows;
+        let mut ids: Vec<i32> = (0..vocab as i32).rev().collect();
+        ids.extend([0, vocab as i32 - 1, vocab as i32, vocab as i32 + 7, -1, i32::MIN, i32::MAX, (vocab / 2) as i32]);
+        let tokens = ids.len();
+        let params = EmbedParams { arch: 120, tokens: tokens as u32, vocab_rows: vocab_rows as u32, h: h as u32, threads: THREADS, out_bf16: out_bf16 as u32 };
+        let module = Module::parse(&params.render().unwrap(), "embed.ptx").unwrap();
+        // The lowering's argument list: the first row is the one per-rank argument.
+        let largs = EmbedArgs { ids: Ptr::Buffer(BufId(0)), table: Ptr::Weight(WeightId(0)), out: Ptr::Buffer(BufId(1)), first_row: vocab_rows as u32 }.launch_args();
+        assert_eq!(largs[3], LaunchArg::PerRank(vocab_rows as u32));
+        let mut sum = vec![0f32; tokens * h];
+        for rank in 0..ranks {
+            let table = bytes(&randn(&mut rng, vocab_rows * h, 1.0, true), true);
+            let mut want = vec![0f32; tokens * h];
+            reference::embed(&ids, &table, vocab_rows, rank * vocab_rows, h, out_bf16, &mut want);
+            let first_row = LaunchArg::per_rank(vocab_rows as u32, rank).unwrap();
+            let mut g = GlobalMemory::new();
+            let bi = g.alloc_bytes("ids", &ids.iter().flat_map(|r| r.to_le_bytes()).collect::<Vec<u8>>());
+            let bt = g.alloc_bytes("table", &table);
+            let bo = g.alloc_bytes("out", &vec![0x7Fu8; tokens * h * if out_bf16 { 2 } else { 4 }]);
+            let args = vec![KernelArg::U64(g.addr(bi)), KernelArg::U64(g.addr(bt)), KernelArg::U64(g.addr(bo)), KernelArg::U32(first_row)];
+            launch(&module, EmbedParams::ENTRY, [tokens as u32, 1, 1], [THREADS, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+            let got = floats(&g.read(bo), out_bf16);
+            check(&format!("embed rank {rank}/{ranks} rows={vocab_rows} H={h}"), out_bf16, &got, &want);
+            assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "embed is a copy: bit-exact");
+            sum.iter_mut().zip(&got).for_each(|(s, g)| *s += g);
+        }
+        // An id outside the vocabulary is zero on every rank (no rank owns it).
+        for (t, &id) in ids.iter().enumerate() {
+            let row = &sum[t * h..(t + 1) * h];
+            if !(0..vocab as i32).contains(&id) {
+                assert!(row.iter().all(|&v| v == 0.0), "id {id} must embed to zeros");
+            }
+        }
+    }
+}
+
+#[test]
+fn router_matches_the_cpu_with_groups_ties_and_exhausted_groups() {
+    use kiln_runtime::plan::RouterParams as Route;
+    // (tokens, hidden, experts, n_group, topk_group, top_k, norm, x_bf16, bias_bf16)
+    let cases = [
+        (3, 72, 16, 4, 2, 4, true, true, false),
+        (1, 257, 256, 8, 4, 8, true, true, false), // GLM-5's routing shape, ragged hidden
+        (5, 33, 40, 1, 1, 6, false, false, true),  // one group, more experts than lanes
+        (2, 64, 12, 6, 1, 3, true, true, false),   // top_k > kept experts (2): -1 / 0 picks
+        (17, 40, 8, 2, 2, 2, true, true, true),
+    ];
+    for (i, &(tokens, h, e, n_group, topk_group, top_k, norm, x_bf16, bias_bf16)) in cases.iter().enumerate() {
+        let mut rng = Rng::new(700 + i as u64);
+        let x = randn(&mut rng, tokens * h, 1.0, x_bf16);
+        let gate = bytes(&randn(&mut rng, e * h, 0.2, true), true);
+        let mut bias = randn(&mut rng, e, 0.05, bias_bf16);
+        if i == 0 {
+            // exact ties in the selection score: equal gate rows and bias
+            let row = gate[..h * 2].to_vec();
+            let mut g2 = gate.clone();
+            g2[3 * h * 2..4 * h * 2].copy_from_slice(&row);
+            bias[3] = bias[0];
+            let r = Route { experts: e, top_k, n_group, topk_group, norm_topk_prob: norm, scaling: 2.5 };
+            run_router(&x, tokens, h, &g2, &bias, &r, x_bf16, bias_bf16);
+        }
+        let r = Route { experts: e, top_k, n_group, topk_group, norm_topk_prob: norm, scaling: 2.5 };
+        run_router(&x, tokens, h, &gate, &bias, &r, x_bf16, bias_bf16);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_router(x: &[f32], tokens: usize, h: usize, gate: &[u8], bias: &[f32], r: &kiln_runtime::plan::RouterParams, x_bf16: bool, bias_bf16: bool) {
+    let (mut want_ids, mut want_w) = (vec![0i32; tokens * r.top_k], vec![0f32; tokens * r.top_k]);
+    reference::router(x, h, gate, bias, r, &mut want_ids, &mut want_w);
+    let params = RouterParams {
+        arch: 120,
+        tokens: tokens as u32,
+        hidden: h as u32,
+        experts: r.experts as u32,
+        n_group: r.n_group as u32,
+        topk_group: r.topk_group as u32,
+        top_k: r.top_k as u32,
+        norm: r.norm_topk_prob as u32,
+        threads: THREADS,
+        x_bf16: x_bf16 as u32,
+        bias_bf16: bias_bf16 as u32,
+        w_bf16: 0,
+    };
+    let module = Module::parse(&params.render().unwrap(), "router.ptx").unwrap();
+    let mut g = GlobalMemory::new();
+    let bx = g.alloc_bytes("x", &bytes(x, x_bf16));
+    let bg = g.alloc_bytes("gate", gate);
+    let bb = g.alloc_bytes("bias", &bytes(bias, bias_bf16));
+    let bi = g.alloc_bytes("ids", &vec![0x55u8; tokens * r.top_k * 4]);
+    let bw = g.alloc_bytes("weights", &vec![0x55u8; tokens * r.top_k * 4]);
+    let mut args: Vec<KernelArg> = [bx, bg, bb, bi, bw].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+    args.push(KernelArg::F32(r.scaling));
+    launch(&module, RouterParams::ENTRY, [tokens as u32, 1, 1], [THREADS, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+    let ids: Vec<i32> = g.read(bi).chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let what = format!("router T={tokens} H={h} E={} groups={}/{} top-{}", r.experts, r.topk_group, r.n_group, r.top_k);
+    eprintln!("{what}: ids {:?}", &ids[..ids.len().min(16)]);
+    assert_eq!(ids, want_ids, "{what}: expert ids");
+    if r.topk_group * (r.experts / r.n_group.max(1)) < r.top_k {
+        assert!(ids.contains(&-1), "{what}: the kept groups run out, so some picks must be -1");
+    }
+    check(&what, false, &floats(&g.read(bw), false), &want_w);
 }

@@ -77,7 +77,9 @@ fn decode(dtype: DType, bytes: &[u8]) -> Values {
 
 /// Runs `launch` (a step of `program`) in the emulator. `value(buf)` gives a buffer's contents
 /// before the step; `arena` is the rank's weights arena; `reads` the step's inputs (they count as
-/// compulsory traffic) and `writes` the buffers to read back.
+/// compulsory traffic) and `writes` the buffers to read back. `rank` resolves
+/// `LaunchArg::PerRank` arguments.
+#[allow(clippy::too_many_arguments)]
 pub fn emulate(
     plan: &Plan,
     program: &Program,
@@ -87,6 +89,7 @@ pub fn emulate(
     writes: &[BufId],
     value: &dyn Fn(BufId) -> Values,
     arena: &[u8],
+    rank: usize,
 ) -> Result<Emulated, String> {
     let kernel = plan.kernel(launch.kernel);
     let mut g = GlobalMemory::new();
@@ -128,6 +131,7 @@ pub fn emulate(
             }
             LaunchArg::U32(v) => KernelArg::U32(v),
             LaunchArg::F32(v) => KernelArg::F32(v),
+            LaunchArg::PerRank(v) => KernelArg::U32(LaunchArg::per_rank(v, rank).ok_or_else(|| format!("rank {rank} x {v} overflows a u32 argument"))?),
         });
     }
     let stats = emu::launch(module, &kernel.entry, launch.grid, launch.block, launch.smem_dynamic, &args, &mut g).map_err(|e| e.to_string())?;

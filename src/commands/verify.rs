@@ -174,7 +174,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 let rec = records.iter().find(|r| r.step == s && r.rank == rank).with_context(|| format!("step {s} was not recorded"))?;
                 let value = |b: BufId| rec.before.iter().find(|(x, _)| *x == b).map(|(_, v)| v.clone()).expect("every launch buffer is recorded");
                 let arena = session.backend().arena(rank).context("rank arena")?;
-                let out = emulate(&plan, p, launch, module, &step.op.reads(), &step.op.writes(), &value, arena)
+                let out = emulate(&plan, p, launch, module, &step.op.reads(), &step.op.writes(), &value, arena, rank)
                     .map_err(|e| anyhow::anyhow!("{} step {s} ({}) on rank {rank}: {e}", p.name, kernel.name))?;
                 let c = compare_outputs(p, &out.outputs, &rec.after);
                 cmp.max_abs = cmp.max_abs.max(c.max_abs);

@@ -9,7 +9,8 @@
 //! // smem: EXPR                   dynamic shared memory per block in bytes (default 0): static
 //! //                              `.shared` is capped at 48 KiB, larger arrays are `.extern`
 //! // param NAME: u32 = doc        shape constants, in order
-//! // arg NAME: ptr|u32|f32 = doc  kernel parameters, in .entry order
+//! // arg NAME: ptr|u32|f32 = doc  kernel parameters, in .entry order; `rank_u32` is a `.u32`
+//! //                              the runtime sets per rank to `rank * value` (LaunchArg::PerRank)
 //! // end-header
 //! ```
 //! The body is PTX with `${EXPR}` placeholders and line directives `#for VAR in A..B`, `#end`,
@@ -28,7 +29,7 @@ pub struct Header {
     /// Dynamic shared memory per block (an expression over the params).
     pub smem: String,
     pub params: Vec<(String, String)>,
-    /// (name, type, doc) with type `ptr`, `u32` or `f32`.
+    /// (name, type, doc) with type `ptr`, `u32`, `rank_u32` (per rank: `rank * value`) or `f32`.
     pub args: Vec<(String, String, String)>,
 }
 
@@ -50,7 +51,7 @@ pub fn parse(text: &str) -> Result<(Header, &str), String> {
             ["smem"] => h.smem = rest.into(),
             ["param", name] | ["arg", name] => {
                 let (ty, doc) = rest.split_once('=').map(|(a, b)| (a.trim(), b.trim())).unwrap_or((rest, ""));
-                let ok = if words[0] == "param" { ty == "u32" } else { matches!(ty, "ptr" | "u32" | "f32") };
+                let ok = if words[0] == "param" { ty == "u32" } else { matches!(ty, "ptr" | "u32" | "rank_u32" | "f32") };
                 if !ok || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
                     return Err(format!("header line {}: bad {} `{name}: {ty}`", i + 1, words[0]));
                 }
@@ -90,7 +91,11 @@ pub fn check(h: &Header, body: &str) -> Result<(), String> {
         })
         .collect::<Result<_, _>>()?;
     let want: Vec<(String, String)> =
-        h.args.iter().map(|(n, t, _)| (n.clone(), if t == "ptr" { "u64".into() } else { t.clone() })).collect();
+        h.args.iter().map(|(n, t, _)| (n.clone(), match t.as_str() {
+            "ptr" => "u64".into(),
+            "rank_u32" => "u32".into(),
+            _ => t.clone(),
+        })).collect();
     if found != want {
         return Err(format!("the .entry parameters {found:?} differ from the header's args {want:?}"));
     }

@@ -6,7 +6,7 @@
 //! `kiln inspect`. Once every family has a template this becomes a compile error (no silent
 //! fallback); today it cannot be, or GLM-5 would not compile at all.
 
-use crate::kernels::{LinearBf16GemvArgs, LinearBf16GemvParams, LinearNvfp4GemvArgs, LinearNvfp4GemvParams, Ptr, RmsnormArgs, RmsnormParams};
+use crate::kernels::{AddArgs, AddParams, EmbedArgs, EmbedParams, RouterArgs, RouterParams, GatherRowsArgs, GatherRowsParams, LinearBf16GemvArgs, LinearBf16GemvParams, LinearNvfp4GemvArgs, LinearNvfp4GemvParams, Ptr, RmsnormArgs, RmsnormParams};
 use crate::CompileError;
 use kiln_runtime::plan::{
     Arch, BufId, DType, Epilogue, KernelFamily, KernelId, KernelInfo, Launch, LaunchArg, LinearWeights, MissingKernel, Op, Plan,
@@ -21,6 +21,8 @@ pub const THREADS: u32 = 256;
 pub const TASKS_PER_BLOCK: u32 = 64;
 /// Largest M the GEMV templates take (their accumulators are registers).
 pub const GEMV_MAX_M: usize = 32;
+/// Most blocks of an elementwise kernel (`add`): larger tensors are strided over by the grid.
+pub const ELEMENTWISE_MAX_GRID: u32 = 1024;
 /// Shared memory per block kiln's kernels may use (SM120's opt-in limit; every target).
 pub const SMEM_LIMIT: u32 = 101_376;
 
@@ -279,6 +281,132 @@ fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Re
                     })
                 }
             }
+        }
+        Op::Embed { ids, table, vocab_rows, out } => {
+            let h = width(p, out);
+            let tokens = numel(p, out) / h.max(1);
+            if tokens == 0 || h == 0 || p.buffer(ids).dtype != DType::I32 || plan.weight(table).dtype != DType::BF16 {
+                return Err("embed needs I32 ids, a BF16 table and a non-empty output".into());
+            }
+            let rows = u32::try_from(vocab_rows).ok().filter(|&v| LaunchArg::per_rank(v, plan.ranks().saturating_sub(1)).is_some());
+            let vocab_rows = rows.ok_or_else(|| format!("{vocab_rows} vocabulary rows x {} ranks overflow a u32 row offset", plan.ranks()))?;
+            let params = EmbedParams {
+                arch,
+                tokens: tokens as u32,
+                vocab_rows,
+                h: h as u32,
+                threads: THREADS,
+                out_bf16: float_flag(p.buffer(out).dtype, "the output")?,
+            };
+            // The rank's first vocabulary row is rank * vocab_rows: a per-rank argument, so the
+            // program stays identical on every rank.
+            let args = EmbedArgs { ids: Ptr::Buffer(ids), table: Ptr::Weight(table), out: Ptr::Buffer(out), first_row: vocab_rows };
+            Ok(Instance {
+                template: EmbedParams::TEMPLATE,
+                entry: EmbedParams::ENTRY,
+                family: EmbedParams::FAMILY,
+                values: params.values(),
+                ptx: params.render(),
+                smem: params.dynamic_smem(),
+                grid: tokens as u32,
+                args: args.launch_args(),
+            })
+        }
+        Op::Router { input, gate, bias, ref params, ids, weights } => {
+            let h = width(p, input);
+            let tokens = numel(p, input) / h.max(1);
+            let groups = params.n_group.max(1);
+            let (e, k) = (params.experts, params.top_k);
+            if tokens == 0 || e == 0 || groups > 32 || e % groups != 0 || k == 0 || k > e || params.topk_group > groups {
+                return Err(format!("a router of {e} experts in {groups} groups (top-{k}, {} groups kept) is outside the template", params.topk_group));
+            }
+            if p.buffer(ids).dtype != DType::I32 || plan.weight(gate).dtype != DType::BF16 {
+                return Err("the router template needs I32 ids and a BF16 gate".into());
+            }
+            fits(h * 4 + e * 8 + groups * 4 + k * 4, smem_limit, &format!("a router over {h} values"))?;
+            let scaling = params.scaling;
+            let params = RouterParams {
+                arch,
+                tokens: tokens as u32,
+                hidden: h as u32,
+                experts: e as u32,
+                n_group: groups as u32,
+                topk_group: params.topk_group as u32,
+                top_k: k as u32,
+                norm: params.norm_topk_prob as u32,
+                threads: THREADS,
+                x_bf16: float_flag(p.buffer(input).dtype, "the input")?,
+                bias_bf16: float_flag(plan.weight(bias).dtype, "the bias")?,
+                w_bf16: float_flag(p.buffer(weights).dtype, "the weights")?,
+            };
+            let args = RouterArgs { x: Ptr::Buffer(input), gate: Ptr::Weight(gate), bias: Ptr::Weight(bias), ids: Ptr::Buffer(ids), weights: Ptr::Buffer(weights), scaling };
+            Ok(Instance {
+                template: RouterParams::TEMPLATE,
+                entry: RouterParams::ENTRY,
+                family: RouterParams::FAMILY,
+                values: params.values(),
+                ptx: params.render(),
+                smem: params.dynamic_smem(),
+                grid: tokens as u32,
+                args: args.launch_args(),
+            })
+        }
+        Op::Add { a, b, out } => {
+            let n = numel(p, out);
+            if numel(p, a) < n || numel(p, b) < n {
+                return Err("operands smaller than the output".into());
+            }
+            let grid = (n as u32).div_ceil(THREADS).clamp(1, ELEMENTWISE_MAX_GRID);
+            let params = AddParams {
+                arch,
+                n: n as u32,
+                grid,
+                threads: THREADS,
+                a_bf16: float_flag(p.buffer(a).dtype, "a")?,
+                b_bf16: float_flag(p.buffer(b).dtype, "b")?,
+                out_bf16: float_flag(p.buffer(out).dtype, "the output")?,
+            };
+            let args = AddArgs { a: Ptr::Buffer(a), b: Ptr::Buffer(b), out: Ptr::Buffer(out) };
+            Ok(Instance {
+                template: AddParams::TEMPLATE,
+                entry: AddParams::ENTRY,
+                family: AddParams::FAMILY,
+                values: params.values(),
+                ptx: params.render(),
+                smem: params.dynamic_smem(),
+                grid,
+                args: args.launch_args(),
+            })
+        }
+        Op::GatherRows { input, rows, out } => {
+            let h = width(p, out);
+            let out_rows = numel(p, out) / h.max(1);
+            if out_rows == 0 || h == 0 {
+                return Err("an empty gather".into());
+            }
+            if p.buffer(rows).dtype != DType::I32 || width(p, input) != h {
+                return Err("gather_rows needs I32 row ids and equal row widths".into());
+            }
+            let params = GatherRowsParams {
+                arch,
+                out_rows: out_rows as u32,
+                in_rows: (numel(p, input) / h.max(1)) as u32,
+                h: h as u32,
+                threads: THREADS,
+                in_bf16: float_flag(p.buffer(input).dtype, "the input")?,
+                out_bf16: float_flag(p.buffer(out).dtype, "the output")?,
+            };
+            let args = GatherRowsArgs { input: Ptr::Buffer(input), rows: Ptr::Buffer(rows), out: Ptr::Buffer(out) };
+            Ok(Instance {
+                template: GatherRowsParams::TEMPLATE,
+                entry: GatherRowsParams::ENTRY,
+                family: GatherRowsParams::FAMILY,
+                values: params.values(),
+                ptx: params.render(),
+                smem: params.dynamic_smem(),
+                grid: out_rows as u32,
+                args: args.launch_args(),
+            })
         }
         _ => Err("no template yet".into()),
     }

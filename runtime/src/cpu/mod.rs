@@ -13,6 +13,7 @@
 //! not allocate.
 
 mod attention;
+mod elementwise;
 mod indexer;
 mod kv_cache;
 mod linear;
@@ -599,17 +600,7 @@ impl Rank {
                 let mut o = take(&mut self.f, out);
                 let table = slot_bytes(plan, &self.arena, table);
                 let first = (self.index * vocab_rows) as i64;
-                for (t, row) in o[..n(out)].chunks_exact_mut(h).enumerate() {
-                    let local = self.i[ids.0 as usize][t] as i64 - first;
-                    if (0..vocab_rows as i64).contains(&local) {
-                        let src = &table[local as usize * h * 2..(local as usize + 1) * h * 2];
-                        for (v, b) in row.iter_mut().zip(src.chunks_exact(2)) {
-                            *v = round(out).apply(bf16_to_f32(u16::from_le_bytes([b[0], b[1]])));
-                        }
-                    } else {
-                        row.fill(0.0);
-                    }
-                }
+                elementwise::embed(&self.i[ids.0 as usize], table, vocab_rows, first, h, round(out), &mut o[..n(out)]);
                 self.f[out.0 as usize] = o;
             }
             Op::RmsNorm { input, residual, weight, eps, out } => {
@@ -744,23 +735,13 @@ impl Rank {
             }
             Op::Add { a, b, out } => {
                 let mut o = take(&mut self.f, out);
-                let r = round(out);
-                for ((v, &x), &y) in o[..n(out)].iter_mut().zip(&self.f[a.0 as usize][..n(a)]).zip(&self.f[b.0 as usize][..n(b)]) {
-                    *v = r.apply(x + y);
-                }
+                elementwise::add(&self.f[a.0 as usize][..n(a)], &self.f[b.0 as usize][..n(b)], round(out), &mut o[..n(out)]);
                 self.f[out.0 as usize] = o;
             }
             Op::GatherRows { input, rows, out } => {
                 let h = width(p, out);
                 let mut o = take(&mut self.f, out);
-                let r = round(out);
-                let src = &self.f[input.0 as usize][..n(input)];
-                for (i, row) in o[..n(out)].chunks_exact_mut(h).enumerate() {
-                    match usize::try_from(self.i[rows.0 as usize][i]).ok().and_then(|t| src.get(t * h..(t + 1) * h)) {
-                        Some(x) => row.iter_mut().zip(x).for_each(|(v, &x)| *v = r.apply(x)),
-                        None => row.fill(0.0),
-                    }
-                }
+                elementwise::gather_rows(&self.f[input.0 as usize][..n(input)], &self.i[rows.0 as usize], h, round(out), &mut o[..n(out)]);
                 self.f[out.0 as usize] = o;
             }
             Op::AllReduce { .. } | Op::AllGather { .. } => return Err(RuntimeError::internal("collective executed on one rank")),

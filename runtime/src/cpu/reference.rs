@@ -39,3 +39,26 @@ pub fn rms_norm(x: &[f32], residual: Option<(&mut [f32], bool)>, w: &[f32], eps:
         rms_norm_row(xr, w, eps, round(src_bf16), round(out_bf16), or);
     }
 }
+
+/// `Op::Embed` on one rank: the BF16 `[vocab_rows, h]` table slice owns rows
+/// `first_row..first_row + vocab_rows`; other ids give zero rows.
+#[allow(clippy::too_many_arguments)]
+pub fn embed(ids: &[i32], table: &[u8], vocab_rows: usize, first_row: usize, h: usize, out_bf16: bool, out: &mut [f32]) {
+    super::elementwise::embed(ids, table, vocab_rows, first_row as i64, h, round(out_bf16), out);
+}
+
+/// `Op::Add`: `out = a + b`.
+pub fn add(a: &[f32], b: &[f32], out_bf16: bool, out: &mut [f32]) {
+    super::elementwise::add(a, b, round(out_bf16), out);
+}
+
+/// `Op::GatherRows` over rows of `h` values (indices outside `src` give zeros).
+pub fn gather_rows(src: &[f32], rows: &[i32], h: usize, out_bf16: bool, out: &mut [f32]) {
+    super::elementwise::gather_rows(src, rows, h, round(out_bf16), out);
+}
+
+/// `Op::Router`: `x` is `[tokens, hidden]`, `gate` the BF16 `[experts, hidden]` bytes, `bias` the
+/// correction bias; `ids` / `weights` are `[tokens, top_k]`.
+pub fn router(x: &[f32], hidden: usize, gate: &[u8], bias: &[f32], params: &crate::plan::RouterParams, ids: &mut [i32], weights: &mut [f32]) {
+    super::router::route(x, hidden, gate, bias, params, ids, weights);
+}

@@ -63,6 +63,18 @@ pub enum LaunchArg {
     Weight(WeightId),
     U32(u32),
     F32(f32),
+    /// A u32 that differs per rank: `rank index * value`, set by the runtime when it binds the
+    /// launch on each rank (checked not to overflow). Programs are SPMD (the same steps and
+    /// launches on every rank), so this is how a kernel learns which slice a rank owns, e.g.
+    /// the first vocabulary row of the embedding slice (`value` = rows per rank).
+    PerRank(u32),
+}
+
+impl LaunchArg {
+    /// The value of a `PerRank` argument on `rank` (None if it overflows a u32).
+    pub fn per_rank(value: u32, rank: usize) -> Option<u32> {
+        u32::try_from(rank).ok().and_then(|r| r.checked_mul(value))
+    }
 }
 
 /// The launch of a step: fixed grid, block and dynamic shared memory (captured in the graph).

@@ -10,6 +10,8 @@ use serde::{Deserialize, Serialize};
 pub enum Op {
     /// `out[t] = table[ids[t] - rank * vocab_rows]` when the id falls in this rank's `vocab_rows`
     /// rows, else 0 (vocab-parallel embedding; an all-reduce follows when there are several ranks).
+    /// Programs are identical on every rank: the kernel gets its first row `rank * vocab_rows` as a
+    /// `LaunchArg::PerRank(vocab_rows)` that the runtime resolves per rank.
     Embed { ids: BufId, table: WeightId, vocab_rows: usize, out: BufId },
     /// `residual += input` (when given), then `out = rmsnorm(residual or input) * weight`
     /// (normalised in fp32, cast to the buffer dtype, then scaled, as transformers does).
