@@ -106,6 +106,21 @@ fn main() {
                 }
             }
 
+            impl KernelParams for #params {
+                const TEMPLATE: &'static str = #tname;
+                const ENTRY: &'static str = #entry;
+                const FAMILY: KernelFamily = KernelFamily::#family;
+                fn values(&self) -> Vec<(&'static str, u64)> {
+                    #params::values(self)
+                }
+                fn dynamic_smem(&self) -> Result<u32, String> {
+                    #params::dynamic_smem(self)
+                }
+                fn render(&self) -> Result<String, String> {
+                    #params::render(self)
+                }
+            }
+
             /// Kernel arguments, in `.entry` order.
             #[derive(Debug, Clone, Copy, PartialEq)]
             pub struct #args {

@@ -21,4 +21,17 @@ impl From<Ptr> for LaunchArg {
     }
 }
 
+/// What every generated `…Params` type offers, so lowering can build any instance one way.
+pub trait KernelParams {
+    const TEMPLATE: &'static str;
+    const ENTRY: &'static str;
+    const FAMILY: KernelFamily;
+    /// `(NAME, value)` of every parameter, in header order.
+    fn values(&self) -> Vec<(&'static str, u64)>;
+    /// Dynamic shared memory per block of a launch, in bytes.
+    fn dynamic_smem(&self) -> Result<u32, String>;
+    /// The PTX of this instance.
+    fn render(&self) -> Result<String, String>;
+}
+
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));

@@ -6,7 +6,7 @@
 //! `kiln inspect`. Once every family has a template this becomes a compile error (no silent
 //! fallback); today it cannot be, or GLM-5 would not compile at all.
 
-use crate::kernels::{AddArgs, AddParams, EmbedArgs, EmbedParams, RouterArgs, RouterParams, GatherRowsArgs, GatherRowsParams, LinearBf16GemvArgs, LinearBf16GemvParams, LinearNvfp4GemvArgs, LinearNvfp4GemvParams, Ptr, RmsnormArgs, RmsnormParams};
+use crate::kernels::{AddArgs, AddParams, EmbedArgs, EmbedParams, RouterArgs, RouterParams, GatherRowsArgs, GatherRowsParams, LinearBf16GemvArgs, LinearBf16GemvParams, LinearNvfp4GemvArgs, LinearNvfp4GemvParams, KernelParams, Ptr, RmsnormArgs, RmsnormParams};
 use crate::CompileError;
 use kiln_runtime::plan::{
     Arch, BufId, DType, Epilogue, KernelFamily, KernelId, KernelInfo, Launch, LaunchArg, LinearWeights, MissingKernel, Op, Plan,
@@ -36,6 +36,20 @@ struct Instance {
     smem: Result<u32, String>,
     grid: u32,
     args: Vec<LaunchArg>,
+}
+
+/// The instance of any template's `params` with its launch grid and arguments.
+fn of<P: KernelParams>(params: &P, grid: u32, args: Vec<LaunchArg>) -> Instance {
+    Instance {
+        template: P::TEMPLATE,
+        entry: P::ENTRY,
+        family: P::FAMILY,
+        values: params.values(),
+        ptx: params.render(),
+        smem: params.dynamic_smem(),
+        grid,
+        args,
+    }
 }
 
 /// Attaches launches to the steps of every program; fills `plan.kernels` and
@@ -184,16 +198,7 @@ fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Re
                 out: Ptr::Buffer(out),
                 eps,
             };
-            Ok(Instance {
-                template: RmsnormParams::TEMPLATE,
-                entry: RmsnormParams::ENTRY,
-                family: RmsnormParams::FAMILY,
-                values: params.values(),
-                ptx: params.render(),
-                smem: params.dynamic_smem(),
-                grid: rows as u32,
-                args: args.launch_args(),
-            })
+            Ok(of(&params, rows as u32, args.launch_args()))
         }
         Op::Linear { input, ref weights, ref parts, k, epilogue, out } => {
             let m = numel(p, input) / k.max(1);
@@ -223,16 +228,7 @@ fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Re
                         out_bf16,
                     };
                     let args = LinearBf16GemvArgs { x: Ptr::Buffer(input), w: Ptr::Weight(weight), out: Ptr::Buffer(out) };
-                    Ok(Instance {
-                        template: LinearBf16GemvParams::TEMPLATE,
-                        entry: LinearBf16GemvParams::ENTRY,
-                        family: LinearBf16GemvParams::FAMILY,
-                        values: params.values(),
-                        ptx: params.render(),
-                        smem: params.dynamic_smem(),
-                        grid: (n as u32).div_ceil(TASKS_PER_BLOCK),
-                        args: args.launch_args(),
-                    })
+                    Ok(of(&params, (n as u32).div_ceil(TASKS_PER_BLOCK), args.launch_args()))
                 }
                 LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => {
                     if arch != 120 {
@@ -269,16 +265,7 @@ fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Re
                         input_scale: Ptr::Weight(input_scale),
                         out: Ptr::Buffer(out),
                     };
-                    Ok(Instance {
-                        template: LinearNvfp4GemvParams::TEMPLATE,
-                        entry: LinearNvfp4GemvParams::ENTRY,
-                        family: LinearNvfp4GemvParams::FAMILY,
-                        values: params.values(),
-                        ptx: params.render(),
-                        smem: params.dynamic_smem(),
-                        grid: (tasks as u32).div_ceil(TASKS_PER_BLOCK),
-                        args: args.launch_args(),
-                    })
+                    Ok(of(&params, (tasks as u32).div_ceil(TASKS_PER_BLOCK), args.launch_args()))
                 }
             }
         }
@@ -301,16 +288,7 @@ fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Re
             // The rank's first vocabulary row is rank * vocab_rows: a per-rank argument, so the
             // program stays identical on every rank.
             let args = EmbedArgs { ids: Ptr::Buffer(ids), table: Ptr::Weight(table), out: Ptr::Buffer(out), first_row: vocab_rows };
-            Ok(Instance {
-                template: EmbedParams::TEMPLATE,
-                entry: EmbedParams::ENTRY,
-                family: EmbedParams::FAMILY,
-                values: params.values(),
-                ptx: params.render(),
-                smem: params.dynamic_smem(),
-                grid: tokens as u32,
-                args: args.launch_args(),
-            })
+            Ok(of(&params, tokens as u32, args.launch_args()))
         }
         Op::Router { input, gate, bias, ref params, ids, weights } => {
             let h = width(p, input);
@@ -340,16 +318,7 @@ fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Re
                 w_bf16: float_flag(p.buffer(weights).dtype, "the weights")?,
             };
             let args = RouterArgs { x: Ptr::Buffer(input), gate: Ptr::Weight(gate), bias: Ptr::Weight(bias), ids: Ptr::Buffer(ids), weights: Ptr::Buffer(weights), scaling };
-            Ok(Instance {
-                template: RouterParams::TEMPLATE,
-                entry: RouterParams::ENTRY,
-                family: RouterParams::FAMILY,
-                values: params.values(),
-                ptx: params.render(),
-                smem: params.dynamic_smem(),
-                grid: tokens as u32,
-                args: args.launch_args(),
-            })
+            Ok(of(&params, tokens as u32, args.launch_args()))
         }
         Op::Add { a, b, out } => {
             let n = numel(p, out);
@@ -367,16 +336,7 @@ fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Re
                 out_bf16: float_flag(p.buffer(out).dtype, "the output")?,
             };
             let args = AddArgs { a: Ptr::Buffer(a), b: Ptr::Buffer(b), out: Ptr::Buffer(out) };
-            Ok(Instance {
-                template: AddParams::TEMPLATE,
-                entry: AddParams::ENTRY,
-                family: AddParams::FAMILY,
-                values: params.values(),
-                ptx: params.render(),
-                smem: params.dynamic_smem(),
-                grid,
-                args: args.launch_args(),
-            })
+            Ok(of(&params, grid, args.launch_args()))
         }
         Op::GatherRows { input, rows, out } => {
             let h = width(p, out);
@@ -397,16 +357,7 @@ fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Re
                 out_bf16: float_flag(p.buffer(out).dtype, "the output")?,
             };
             let args = GatherRowsArgs { input: Ptr::Buffer(input), rows: Ptr::Buffer(rows), out: Ptr::Buffer(out) };
-            Ok(Instance {
-                template: GatherRowsParams::TEMPLATE,
-                entry: GatherRowsParams::ENTRY,
-                family: GatherRowsParams::FAMILY,
-                values: params.values(),
-                ptx: params.render(),
-                smem: params.dynamic_smem(),
-                grid: out_rows as u32,
-                args: args.launch_args(),
-            })
+            Ok(of(&params, out_rows as u32, args.launch_args()))
         }
         _ => Err("no template yet".into()),
     }

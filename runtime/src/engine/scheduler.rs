@@ -83,7 +83,6 @@ impl Drop for StoppedOnDrop {
 pub struct Limits {
     pub vocab_size: usize,
     pub max_context: usize,
-    pub page_size: usize,
     pub total_pages: usize,
 }
 
@@ -169,7 +168,6 @@ pub fn start(model: Box<dyn Forward>, max_waiting: usize) -> EngineHandle {
     let limits = Limits {
         vocab_size: model.vocab_size(),
         max_context: model.max_context(),
-        page_size: model.page_size(),
         total_pages: model.total_pages(),
     };
     let stats = Arc::new(EngineStats::default());
