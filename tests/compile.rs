@@ -145,7 +145,9 @@ fn glm5_skeleton_tp8_matches_independent_weight_count_and_public_kv_capacity() {
     // KV: latent 512 + rope 64 + indexer key 128 values per token and layer, BF16, 78 layers.
     let per_token = 78 * (512 + 64 + 128) * 2;
     assert_eq!(g["kv_bytes_per_token"], per_token);
-    let left = g["gpu_memory_bytes"].as_u64().unwrap() - arena - g["workspace_bytes"].as_u64().unwrap() - g["headroom_bytes"].as_u64().unwrap();
+    // The RoPE table: (cos, sin) F32 per position (202,752) and pair (32).
+    assert_eq!(g["rope_table_bytes"], 202_752 * 64 * 4);
+    let left = g["gpu_memory_bytes"].as_u64().unwrap() - arena - g["workspace_bytes"].as_u64().unwrap() - g["headroom_bytes"].as_u64().unwrap() - g["rope_table_bytes"].as_u64().unwrap();
     let capacity = g["kv_token_capacity"].as_u64().unwrap();
     assert_eq!(capacity, left / (64 * per_token) * 64, "KV takes what is left, in 64-token pages");
     // Public figure (SGLang, rtx6kpro): 314,304 BF16 tokens per GPU at TP8. kiln plans the rest

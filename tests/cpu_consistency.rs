@@ -69,8 +69,11 @@ fn tiny() -> &'static Tiny {
     })
 }
 
-/// `kiln compile` of the tiny checkpoint with `flags`, cached by name.
+/// `kiln compile` of the tiny checkpoint with `flags`, cached by name. Serialised: tests run in
+/// parallel, and one must not open an artifact another is still writing.
 fn plan(name: &str, flags: &[&str]) -> PathBuf {
+    static COMPILING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = COMPILING.lock().unwrap_or_else(|e| e.into_inner());
     let t = tiny();
     let art = t.root.join(name);
     if !art.join("plan.bin").exists() {
@@ -86,7 +89,7 @@ fn prompt(n: usize, salt: u32) -> Vec<u32> {
 }
 
 fn session(art: &Path, opts: CpuOptions) -> Session {
-    Session::open(art, None, SessionOptions { cpu: opts, progress: false }).unwrap()
+    Session::open(art, None, SessionOptions { cpu: opts, ..Default::default() }).unwrap()
 }
 
 const F32: CpuOptions = CpuOptions { precision: Precision::F32, act_quant: ActQuant::W4A16, attention: None };

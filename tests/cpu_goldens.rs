@@ -180,14 +180,14 @@ fn bf16_storage_check(case: &str, art: &Path, g: &Golden, want: &[f64], act: Act
 /// bf16 runs of the same plan.
 fn decision_flips(art: &Path, ids: &[u32], act: ActQuant) -> Vec<usize> {
     let run = |precision| {
-        let opts = SessionOptions { cpu: CpuOptions { precision, act_quant: act, attention: None }, progress: false };
+        let opts = SessionOptions { cpu: CpuOptions { precision, act_quant: act, attention: None }, ..Default::default() };
         let mut session = Session::open(art, None, opts).unwrap();
         let seq = session.new_sequence();
         session.prefill(seq, ids, LogitRows::All).unwrap();
         session
     };
     let (a, b) = (run(Precision::F32), run(Precision::Bf16));
-    let index = a.backend().last_program().unwrap();
+    let index = a.cpu().unwrap().last_program().unwrap();
     let program = &a.plan().programs[index];
     let mut flipped = Vec::new();
     for (i, buf) in program.buffers.iter().enumerate() {
@@ -196,7 +196,7 @@ fn decision_flips(art: &Path, ids: &[u32], act: ActQuant) -> Vec<usize> {
         }
         let w = buf.shape[1];
         let sets = |s: &Session| -> Vec<Vec<i32>> {
-            let v = s.backend().buffer_i32(0, index, BufId(i as u32)).unwrap();
+            let v = s.cpu().unwrap().buffer_i32(0, index, BufId(i as u32)).unwrap();
             (0..ids.len()).map(|t| {
                 let mut row = v[t * w..(t + 1) * w].to_vec();
                 row.sort_unstable();

@@ -1,7 +1,6 @@
 //! Steady-state decode of the CPU backend allocates nothing (its own test binary: the counting
 //! allocator sees every thread of the process, so no other test may run beside it).
 
-use kiln_runtime::cpu::CpuOptions;
 use kiln_runtime::session::{DecodeRow, LogitRows, Runner, SessionOptions};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -31,7 +30,7 @@ fn prompt(n: usize, salt: u32) -> Vec<u32> {
 #[test]
 fn steady_state_decode_does_not_allocate() {
     let art = compile_tiny_tp2();
-    let mut runner = Runner::open(&art, None, SessionOptions { cpu: CpuOptions::default(), progress: false }).unwrap();
+    let mut runner = Runner::open(&art, None, SessionOptions::default()).unwrap();
     let pages = [0u32, 1];
     let ids = prompt(100, 11);
     runner.prefill(&pages, 0, &ids[..4], LogitRows::Last).unwrap();

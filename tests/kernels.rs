@@ -109,7 +109,26 @@ fn nvfp4_case(c: &Nvfp4Case, seed: u64) -> (LaunchStats, u64) {
 
 #[test]
 fn every_family_has_its_template() {
-    assert_eq!(TEMPLATES, &["add", "embed", "gather_rows", "linear_bf16_gemv", "linear_nvfp4_gemv", "rmsnorm", "router"]);
+    assert_eq!(
+        TEMPLATES,
+        &[
+            "add",
+            "embed",
+            "gather_rows",
+            "indexer_key_write",
+            "indexer_topk",
+            "linear_bf16_gemm",
+            "linear_bf16_gemv",
+            "linear_nvfp4_gemm",
+            "linear_nvfp4_gemv",
+            "mla_attention",
+            "mla_kv_write",
+            "moe_down",
+            "moe_gate_up",
+            "rmsnorm",
+            "router"
+        ]
+    );
 }
 
 #[test]

@@ -51,6 +51,8 @@ pub enum CompileError {
         short: String,
     },
     // ---- kiln is at fault ----
+    #[error("no kernel for {target} covers these steps, so the plan cannot run there: {list}")]
+    NoKernel { target: String, list: String },
     #[error("kernel {kernel}: {message} (this is a kiln bug)")]
     Kernel { kernel: String, message: String },
     #[error("internal compiler error after pass `{pass}`: {message} (this is a kiln bug)")]

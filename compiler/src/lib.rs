@@ -145,7 +145,6 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
         sharding: sharded.choices,
         ignored: sharded.graph.ignored,
         kernels: Vec::new(),
-        missing_kernels: Vec::new(),
     };
     lower::lower(&mut plan)?;
     let ptxas = if opts.assemble && plan.target.arch != kiln_runtime::plan::Arch::Cpu { assemble::find_ptxas() } else { None };

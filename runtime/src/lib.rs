@@ -6,6 +6,7 @@
 pub mod bind;
 pub mod cpu;
 pub mod emu;
+pub mod emu_backend;
 pub mod engine;
 pub mod error;
 pub mod numerics;

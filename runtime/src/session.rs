@@ -4,6 +4,7 @@
 
 use crate::bind::bind;
 use crate::cpu::{CpuBackend, CpuOptions, Inputs};
+use crate::emu_backend::EmuBackend;
 use crate::engine::forward::{DecodeItem, Forward};
 use crate::engine::pages::PageAllocator;
 use crate::error::RuntimeError;
@@ -18,6 +19,39 @@ pub struct SessionOptions {
     pub cpu: CpuOptions,
     /// Show a progress bar while binding weights (only drawn on a terminal).
     pub progress: bool,
+    pub backend: BackendKind,
+}
+
+/// Which backend executes the plan.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum BackendKind {
+    /// The CPU reference backend (executes the ops).
+    #[default]
+    Cpu,
+    /// The PTX emulator (executes the plan's kernels; needs a GPU-target plan).
+    Emu,
+}
+
+/// The backend a [`Runner`] drives.
+pub enum Backend {
+    Cpu(CpuBackend),
+    Emu(EmuBackend),
+}
+
+impl Backend {
+    pub fn plan(&self) -> &Plan {
+        match self {
+            Backend::Cpu(b) => b.plan(),
+            Backend::Emu(b) => b.plan(),
+        }
+    }
+
+    fn run(&mut self, index: usize, inputs: &Inputs) -> Result<&[f32], RuntimeError> {
+        match self {
+            Backend::Cpu(b) => b.run(index, inputs),
+            Backend::Emu(b) => b.run(index, inputs),
+        }
+    }
 }
 
 /// A sequence handle.
@@ -72,7 +106,7 @@ pub fn weights_dir(artifact: &Path, weights: Option<&Path>) -> Result<PathBuf, R
 /// Runs prefill chunks and decode batches for sequences whose KV pages the caller owns: the
 /// layer the engine's scheduler drives (see [`Forward`]) and [`Session`] builds on.
 pub struct Runner {
-    backend: CpuBackend,
+    backend: Backend,
     inputs: Inputs,
     out: Vec<f32>,
 }
@@ -95,19 +129,34 @@ impl Runner {
 
     pub fn from_plan(plan: Plan, weights: &Path, opts: SessionOptions) -> Result<Runner, RuntimeError> {
         let arenas = bind(&plan, weights, opts.progress)?;
-        Ok(Runner { backend: CpuBackend::new(plan, arenas, opts.cpu)?, inputs: Inputs::default(), out: Vec::new() })
+        let backend = match opts.backend {
+            BackendKind::Cpu => Backend::Cpu(CpuBackend::new(plan, arenas, opts.cpu)?),
+            BackendKind::Emu => Backend::Emu(EmuBackend::new(plan, arenas)?),
+        };
+        Ok(Runner { backend, inputs: Inputs::default(), out: Vec::new() })
     }
 
     pub fn plan(&self) -> &Plan {
         self.backend.plan()
     }
 
-    pub fn backend(&self) -> &CpuBackend {
+    pub fn backend(&self) -> &Backend {
         &self.backend
     }
 
-    pub fn backend_mut(&mut self) -> &mut CpuBackend {
-        &mut self.backend
+    /// The CPU backend, when that is what runs the plan.
+    pub fn cpu(&self) -> Option<&CpuBackend> {
+        match &self.backend {
+            Backend::Cpu(b) => Some(b),
+            Backend::Emu(_) => None,
+        }
+    }
+
+    pub fn cpu_mut(&mut self) -> Option<&mut CpuBackend> {
+        match &mut self.backend {
+            Backend::Cpu(b) => Some(b),
+            Backend::Emu(_) => None,
+        }
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -330,12 +379,17 @@ impl Session {
         self.runner.plan()
     }
 
-    pub fn backend(&self) -> &CpuBackend {
+    pub fn backend(&self) -> &Backend {
         self.runner.backend()
     }
 
-    pub fn backend_mut(&mut self) -> &mut CpuBackend {
-        self.runner.backend_mut()
+    /// The CPU backend, when that is what runs the plan.
+    pub fn cpu(&self) -> Option<&CpuBackend> {
+        self.runner.cpu()
+    }
+
+    pub fn cpu_mut(&mut self) -> Option<&mut CpuBackend> {
+        self.runner.cpu_mut()
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -43,6 +43,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             g.kv_pages, g.kv_page_size, g.kv_token_capacity, g.kv_bytes_per_token, kv.layers, kv.latent_dim, kv.rope_dim, kv.index_dim, kv.dtype
         ),
     );
+    row(&mut out, "RoPE table", g.rope_table_bytes, format!("(cos, sin) F32 for {} positions x {} pairs", kv.max_context, kv.rope_dim / 2));
     row(&mut out, "headroom", g.headroom_bytes, "CUDA context, NCCL, module images, slack".into());
     row(&mut out, "free", g.free_bytes, String::new());
     writeln!(out)?;
@@ -67,16 +68,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 None => format!("smem {} B dynamic; not assembled (ptxas not found at compile time)", k.smem_dynamic_bytes),
             };
             writeln!(out, "  {:<14}{:>6} launches  {res}\n    {}", k.family, k.launches, k.name)?;
-        }
-        writeln!(out)?;
-        if s.missing_kernels.is_empty() {
-            writeln!(out, "every step has a kernel")?;
-        } else {
-            let steps: usize = s.missing_kernels.iter().map(|m| m.steps).sum();
-            writeln!(out, "families without kernels ({steps} steps; such steps cannot run on the GPU yet)")?;
-            for m in &s.missing_kernels {
-                writeln!(out, "  {:<18}{:>6} steps  {}", m.family, m.steps, m.reason)?;
-            }
         }
     }
     writeln!(out)?;

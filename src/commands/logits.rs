@@ -32,22 +32,21 @@ pub struct Args {
     /// Storage precision of BF16 buffers: bf16 (as the GPU) or f32 (for fp32 references).
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
     precision: String,
-    /// Execution backend.
-    #[arg(long, default_value = "cpu")]
+    /// Execution backend: cpu (reference) or emu (the plan's PTX kernels on the emulator; needs
+    /// an artifact compiled for a GPU target, and is slow).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "emu", "cuda"])]
     backend: String,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if a.backend != "cpu" {
-        anyhow::bail!("--backend {:?}: only the cpu backend is available in this build (emu and cuda are not built yet)", a.backend);
-    }
+    let backend = super::backend_kind(&a.backend)?;
     let start = std::time::Instant::now();
     let cpu = CpuOptions {
         precision: if a.precision == "f32" { Precision::F32 } else { Precision::Bf16 },
         act_quant: if a.act_quant == "off" { ActQuant::W4A16 } else { ActQuant::W4A4 },
         attention: None,
     };
-    let mut session = Session::open(&a.artifact, a.weights.as_deref(), SessionOptions { cpu, progress: true })
+    let mut session = Session::open(&a.artifact, a.weights.as_deref(), SessionOptions { cpu, progress: true, backend })
         .with_context(|| format!("loading {}", a.artifact.display()))?;
     let logits = session.logits(&a.ids, a.decode)?;
     let vocab = session.vocab_size();
@@ -55,9 +54,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let tensor = TensorToWrite { name: "logits".into(), dtype: DType::F32, shape: vec![a.ids.len(), vocab], data: Some(&bytes) };
     write_file(&a.out, &[tensor]).with_context(|| format!("writing {}", a.out.display()))?;
     eprintln!(
-        "wrote logits [{}, {vocab}] to {} ({}, {} precision, act-quant {}) in {:.2}s",
+        "wrote logits [{}, {vocab}] to {} ({} backend, {}, {} precision, act-quant {}) in {:.2}s",
         a.ids.len(),
         a.out.display(),
+        a.backend,
         if a.decode { "decode" } else { "prefill" },
         a.precision,
         a.act_quant,

@@ -33,15 +33,14 @@ pub struct Args {
     pub top_k: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Execution backend (only cpu today).
-    #[arg(long, default_value = "cpu")]
+    /// Execution backend: cpu (reference) or emu (the plan's PTX kernels on the emulator; needs
+    /// an artifact compiled for a GPU target, and is slow).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "emu", "cuda"])]
     pub backend: String,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if a.backend != "cpu" {
-        anyhow::bail!("--backend {}: not available yet; use --backend cpu", a.backend);
-    }
+    let backend = super::backend_kind(&a.backend)?;
     if a.prompt.is_empty() {
         anyhow::bail!("--prompt is empty");
     }
@@ -59,7 +58,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.prompt.clone()
     };
     let prompt = tok.encode(&text)?;
-    let model = Runner::open(&a.artifact, a.weights.as_deref(), SessionOptions { progress: true, ..SessionOptions::default() })?;
+    let model = Runner::open(&a.artifact, a.weights.as_deref(), SessionOptions { progress: true, backend, ..SessionOptions::default() })?;
     let eos = model.plan().model.eos_token_ids.clone();
     let limit = Forward::max_context(&model);
     if prompt.len() + a.max_tokens > limit {

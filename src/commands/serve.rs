@@ -24,8 +24,9 @@ pub struct Args {
     host: String,
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// Execution backend: cpu (reference; emu and cuda are not available yet).
-    #[arg(long, default_value = "cpu")]
+    /// Execution backend: cpu (reference) or emu (the plan's PTX kernels on the emulator: a
+    /// functional check of a GPU-target artifact, far too slow to serve traffic).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "emu", "cuda"])]
     backend: String,
     /// Model name clients send and /v1/models lists (default: the artifact directory's name).
     #[arg(long)]
@@ -42,9 +43,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if a.backend != "cpu" {
-        anyhow::bail!("--backend {}: not available yet; kiln serves with --backend cpu today (the PTX emulator and CUDA backends are in progress)", a.backend);
-    }
+    let backend = super::backend_kind(&a.backend)?;
     let addr: std::net::SocketAddr = format!("{}:{}", a.host, a.port).parse().map_err(|e| anyhow::anyhow!("--host {} --port {}: {e}", a.host, a.port))?;
     let name = a.served_model_name.clone().unwrap_or_else(|| {
         std::fs::canonicalize(&a.artifact).ok().and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_else(|| "kiln".into())
@@ -65,7 +64,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
         };
         let eos_ids = plan.model.eos_token_ids.clone();
-        let forward = Runner::open(&artifact, Some(&weights), SessionOptions { progress: true, ..SessionOptions::default() })?;
+        let forward = Runner::open(&artifact, Some(&weights), SessionOptions { progress: true, backend, ..SessionOptions::default() })?;
         let engine = scheduler::start(Box::new(forward), max_waiting);
         Ok(Loaded { engine, tokenizer, chat_template, eos_ids })
     };

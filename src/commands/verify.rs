@@ -1,21 +1,24 @@
 use anyhow::{bail, Context};
 use kiln_runtime::cpu::{StepPhase, StepView};
 use kiln_runtime::emu::Module;
-use kiln_runtime::plan::{BufId, DType, KernelFamily, Plan, ProgramKind};
+use kiln_runtime::plan::{BufId, DType, LaunchArg, Op, Plan, ProgramKind};
 use kiln_runtime::session::{LogitRows, Session, SessionOptions};
-use kiln_runtime::verify::{compare_outputs, emulate, Comparison, Values};
+use kiln_runtime::verify::{compare_cache, compare_outputs, emulate, Comparison, StepInputs, Values};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 /// Run a plan's kernels step by step against the CPU reference.
 ///
-/// Each chosen program runs on the CPU backend; every step that has a kernel launch is then run
-/// in the PTX emulator on the values the CPU had before the step (every rank, the rank's weights
-/// arena) and its outputs are compared with the CPU's. Prints per step the max abs / rel error,
-/// names the first step beyond tolerance and the first producing NaN/Inf, and reports the
-/// emulator's global bytes read against the compulsory bytes (weights + inputs) of the GEMVs.
-/// Tolerances: BF16 outputs |d| <= 2^-7 |ref| + 2^-12 max|ref|; F32 outputs 2^-16 / 2^-20.
+/// Each chosen program runs on the CPU backend; every step's kernel launches are then run in the
+/// PTX emulator on the values (and KV cache) the CPU had before the step, on every rank with its
+/// weights arena, and the outputs (the cache too, for cache writes) are compared with the CPU's.
+/// Prints per step the max abs / rel error, names the first step beyond tolerance and the first
+/// producing NaN/Inf, and reports the emulator's global bytes read against the compulsory bytes
+/// (inputs and weights once; for MoE only the selected experts) and how many times each needed
+/// weight byte was read.
+/// Tolerances: BF16 outputs |d| <= 2^-6 |ref| + 2^-12 max|ref| (two BF16 ulps: summation order and
+/// double rounding); F32 outputs 2^-16 / 2^-20.
 /// Exits with an error when a step fails.
 #[derive(clap::Args)]
 pub struct Args {
@@ -38,6 +41,9 @@ struct Record {
     rank: usize,
     before: Vec<(BufId, Values)>,
     after: Vec<(BufId, Values)>,
+    /// KV-cache layers the launches address, before and after the step (GPU byte layout).
+    kv_before: Vec<(u32, Vec<u8>)>,
+    kv_after: Vec<(u32, Vec<u8>)>,
 }
 
 fn snapshot(view: &StepView, rank: usize, bufs: &[BufId], dtypes: &[DType]) -> Vec<(BufId, Values)> {
@@ -53,30 +59,44 @@ fn snapshot(view: &StepView, rank: usize, bufs: &[BufId], dtypes: &[DType]) -> V
 fn replay(session: &mut Session, plan: &Plan, index: usize) -> anyhow::Result<Vec<Record>> {
     let p = &plan.programs[index];
     // Per launched step: the buffers its launch passes (before) and writes (after).
-    let mut watch: HashMap<usize, (Vec<BufId>, Vec<BufId>)> = HashMap::new();
+    let mut watch: HashMap<usize, (Vec<BufId>, Vec<BufId>, Vec<u32>)> = HashMap::new();
     for (s, step) in p.steps.iter().enumerate() {
-        if let Some(l) = &step.launch {
-            let mut args: Vec<BufId> = l.args.iter().filter_map(|a| if let kiln_runtime::plan::LaunchArg::Buffer(b) = a { Some(*b) } else { None }).collect();
+        if !step.launches.is_empty() {
+            let mut args: Vec<BufId> = step.launches.iter().flat_map(|l| &l.args).filter_map(|a| if let LaunchArg::Buffer(b) = a { Some(*b) } else { None }).collect();
+            // The MoE byte report needs the routing and which tokens are real.
+            args.extend(step.op.reads());
+            args.push(p.inputs.token_seq);
             args.sort();
             args.dedup();
-            watch.insert(s, (args, step.op.writes()));
+            let layers: Vec<u32> = step.launches.iter().flat_map(|l| &l.args).filter_map(|a| if let LaunchArg::KvCache { layer } = a { Some(*layer) } else { None }).collect();
+            watch.insert(s, (args, step.op.results(), layers));
         }
     }
     let dtypes: Vec<DType> = p.buffers.iter().map(|b| b.dtype).collect();
     let records = Arc::new(Mutex::new(Vec::<Record>::new()));
     let sink = records.clone();
-    session.backend_mut().set_observer(Some(Box::new(move |view: &StepView| {
+    session.cpu_mut().context("verify needs the CPU backend")?.set_observer(Some(Box::new(move |view: &StepView| {
         if view.program != index {
             return;
         }
-        let Some((args, writes)) = watch.get(&view.step) else { return };
+        let Some((args, writes, layers)) = watch.get(&view.step) else { return };
         let mut recs = sink.lock().expect("verify records");
+        let slots = view.kv_slots();
         for rank in 0..view.ranks() {
+            let kv = |rank| layers.iter().map(|&l| (l, view.kv_layer_bytes(rank, l as usize, slots))).collect::<Vec<_>>();
             match view.phase {
-                StepPhase::Before => recs.push(Record { step: view.step, rank, before: snapshot(view, rank, args, &dtypes), after: Vec::new() }),
+                StepPhase::Before => recs.push(Record {
+                    step: view.step,
+                    rank,
+                    before: snapshot(view, rank, args, &dtypes),
+                    after: Vec::new(),
+                    kv_before: kv(rank),
+                    kv_after: Vec::new(),
+                }),
                 StepPhase::After => {
                     if let Some(r) = recs.iter_mut().rev().find(|r| r.step == view.step && r.rank == rank) {
                         r.after = snapshot(view, rank, writes, &dtypes);
+                        r.kv_after = kv(rank);
                     }
                 }
             }
@@ -113,13 +133,32 @@ fn replay(session: &mut Session, plan: &Plan, index: usize) -> anyhow::Result<Ve
             r
         }
     };
-    session.backend_mut().set_observer(None);
+    session.cpu_mut().context("verify needs the CPU backend")?.set_observer(None);
     result?;
-    if session.backend().last_program() != Some(index) {
+    if session.cpu().and_then(|c| c.last_program()) != Some(index) {
         bail!("program {} did not replay (the session chose another bucket)", p.name);
     }
     let recs = std::mem::take(&mut *records.lock().expect("verify records"));
     Ok(recs)
+}
+
+/// Bytes of the expert weights an MoE step needs: the gate/up and down slices of every local
+/// expert that some active token selected (each counted once).
+fn moe_selected_bytes(plan: &Plan, p: &kiln_runtime::plan::Program, op: &Op, value: &dyn Fn(BufId) -> Values, rank: usize) -> u64 {
+    let Op::MoeExperts { ids: ids_buf, gate_up, down, experts_local, expert_parallel, .. } = op else { return 0 };
+    let Values::I32(ids) = value(*ids_buf) else { return 0 };
+    let Values::I32(seq) = value(p.inputs.token_seq) else { return 0 };
+    let top_k = p.buffer(*ids_buf).shape.last().copied().unwrap_or(1).max(1);
+    let first = if *expert_parallel { rank * experts_local } else { 0 };
+    let mut used = vec![false; *experts_local];
+    for (i, &e) in ids.iter().enumerate() {
+        let local = e as i64 - first as i64;
+        if seq.get(i / top_k).is_some_and(|&s| s >= 0) && (0..*experts_local as i64).contains(&local) {
+            used[local as usize] = true;
+        }
+    }
+    let per_expert: u64 = gate_up.ids().iter().chain(down.ids().iter()).map(|&w| plan.weight(w).bytes / *experts_local as u64).sum();
+    used.iter().filter(|&&u| u).count() as u64 * per_expert
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -144,10 +183,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             v
         }
     };
+    let rope_table = session.cpu().context("verify needs the CPU backend")?.rope_table_bytes();
     let mut modules: HashMap<u32, Module> = HashMap::new();
     let mut first_bad: Option<String> = None;
     let mut first_nan: Option<String> = None;
-    let (mut checked, mut lacking) = (0usize, 0usize);
+    let mut checked = 0usize;
     println!("verify {} on the PTX emulator against the CPU reference ({} ranks)", a.artifact.display(), plan.ranks());
     for &pi in &chosen {
         let p = &plan.programs[pi];
@@ -155,35 +195,46 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         println!("\nprogram {} ({} tokens, {} steps)", p.name, p.tokens, p.steps.len());
         println!("  {:>4}  {:<18}{:<14}{:>11}{:>11}  {:<6}{}", "step", "op", "kernel", "max abs", "max rel", "", "global bytes read / compulsory");
         for (s, step) in p.steps.iter().enumerate() {
-            let Some(launch) = &step.launch else {
-                if step.kernel != KernelFamily::Collective {
-                    lacking += 1;
-                    println!("  {s:>4}  {:<18}{:<14}no kernel yet", step.op.name(), step.kernel.name());
-                }
-                continue;
-            };
-            let kernel = plan.kernel(launch.kernel);
-            if !modules.contains_key(&launch.kernel.0) {
-                let m = Module::parse(&kernel.ptx, &format!("{}.ptx", kernel.name)).map_err(|e| anyhow::anyhow!("{e}"))?;
-                modules.insert(launch.kernel.0, m);
+            if step.launches.is_empty() {
+                continue; // a collective: the host sums in rank order on both sides
             }
-            let module = &modules[&launch.kernel.0];
+            for l in &step.launches {
+                if !modules.contains_key(&l.kernel.0) {
+                    let kernel = plan.kernel(l.kernel);
+                    let m = Module::parse(&kernel.ptx, &format!("{}.ptx", kernel.name)).map_err(|e| anyhow::anyhow!("{e}"))?;
+                    modules.insert(l.kernel.0, m);
+                }
+            }
+            let mods: Vec<&Module> = step.launches.iter().map(|l| &modules[&l.kernel.0]).collect();
+            let names: Vec<&str> = step.launches.iter().map(|l| plan.kernel(l.kernel).name.as_str()).collect();
             let mut cmp = Comparison::default();
-            let (mut read, mut compulsory) = (0u64, 0u64);
+            let (mut read, mut compulsory, mut weight_read, mut weight_bytes) = (0u64, 0u64, 0u64, 0u64);
+            let cache_write = matches!(step.op, Op::MlaKvWrite { .. } | Op::IndexerKeyWrite { .. });
             for rank in 0..plan.ranks() {
                 let rec = records.iter().find(|r| r.step == s && r.rank == rank).with_context(|| format!("step {s} was not recorded"))?;
                 let value = |b: BufId| rec.before.iter().find(|(x, _)| *x == b).map(|(_, v)| v.clone()).expect("every launch buffer is recorded");
-                let arena = session.backend().arena(rank).context("rank arena")?;
-                let out = emulate(&plan, p, launch, module, &step.op.reads(), &step.op.writes(), &value, arena, rank)
-                    .map_err(|e| anyhow::anyhow!("{} step {s} ({}) on rank {rank}: {e}", p.name, kernel.name))?;
-                let c = compare_outputs(p, &out.outputs, &rec.after);
-                cmp.max_abs = cmp.max_abs.max(c.max_abs);
-                cmp.max_rel = cmp.max_rel.max(c.max_rel);
-                cmp.elements += c.elements;
-                cmp.beyond += c.beyond;
-                cmp.non_finite += c.non_finite;
+                let kv_layer = |l: u32| rec.kv_before.iter().find(|(x, _)| *x == l).map(|(_, v)| v.clone()).expect("every cache layer is recorded");
+                let arena = session.cpu().and_then(|c| c.arena(rank)).context("rank arena")?;
+                let inputs = StepInputs { value: &value, arena, rank, kv_layer: &kv_layer, rope_table: &rope_table };
+                let out = emulate(&plan, p, &step.launches, &mods, &step.op.reads(), &step.op.results(), &inputs)
+                    .map_err(|e| anyhow::anyhow!("{} step {s} on rank {rank}: {e}", p.name))?;
+                let mut c = compare_outputs(p, &out.outputs, &rec.after);
+                if cache_write {
+                    for (l, bytes) in &out.kv {
+                        let cpu = rec.kv_after.iter().find(|(x, _)| x == l).map(|(_, v)| v.as_slice()).unwrap_or(&[]);
+                        c.merge(&compare_cache(plan.memory.kv.dtype, bytes, cpu));
+                    }
+                }
+                cmp.merge(&c);
+                // An MoE step needs only the experts its tokens selected.
+                let weights_needed = match &step.op {
+                    Op::MoeExperts { .. } => moe_selected_bytes(&plan, p, &step.op, &value, rank),
+                    _ => out.weight_bytes,
+                };
                 read += out.bytes_read;
-                compulsory += out.compulsory_read;
+                compulsory += out.compulsory_read - out.weight_bytes + weights_needed;
+                weight_read += out.weight_read;
+                weight_bytes += weights_needed;
             }
             checked += 1;
             let status = if cmp.non_finite > 0 {
@@ -193,22 +244,22 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             } else {
                 "FAIL"
             };
-            let here = format!("{} step {s} ({}, {})", p.name, step.op.name(), kernel.name);
+            let here = format!("{} step {s} ({}, {})", p.name, step.op.name(), names.join(" + "));
             if cmp.non_finite > 0 && first_nan.is_none() {
                 first_nan = Some(here.clone());
             }
             if !cmp.ok() && first_bad.is_none() {
                 first_bad = Some(format!("{here}: {} of {} values beyond tolerance", cmp.beyond + cmp.non_finite, cmp.elements));
             }
-            let bytes = if matches!(step.kernel, KernelFamily::LinearNvfp4 | KernelFamily::LinearBf16) {
-                format!("{read} / {compulsory} = {:.3}", read as f64 / compulsory.max(1) as f64)
+            let bytes = if weight_bytes > 0 {
+                format!("{read} / {compulsory} = {:.3}; weights {:.3}", read as f64 / compulsory.max(1) as f64, weight_read as f64 / weight_bytes as f64)
             } else {
                 format!("{read} / {compulsory}")
             };
             println!("  {s:>4}  {:<18}{:<14}{:>11.3e}{:>11.3e}  {status:<6}{bytes}", step.op.name(), step.kernel.name(), cmp.max_abs, cmp.max_rel);
         }
     }
-    println!("\n{checked} launched steps checked; {lacking} steps have no kernel yet");
+    println!("\n{checked} launched steps checked");
     println!("first NaN/Inf: {}", first_nan.as_deref().unwrap_or("none"));
     match first_bad {
         None => {

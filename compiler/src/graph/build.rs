@@ -31,7 +31,7 @@ impl<'a> Builder<'a> {
     }
 
     fn push(&mut self, op: Op, kernel: KernelFamily) {
-        self.steps.push(Step { op, kernel, launch: None });
+        self.steps.push(Step { op, kernel, launches: Vec::new() });
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -251,6 +251,8 @@ impl<'a> Builder<'a> {
             LinearWeights::Bf16 { .. } => KernelFamily::MoeBf16,
         };
         let routed = self.tokens(format!("l{l}.routed"), DType::BF16, h);
+        let mid = self.tokens(format!("l{l}.moe_mid"), DType::BF16, c.num_experts_per_tok * inter);
+        let acc = self.tokens(format!("l{l}.moe_acc"), DType::F32, h);
         self.push(
             Op::MoeExperts {
                 input: x,
@@ -263,6 +265,8 @@ impl<'a> Builder<'a> {
                 intermediate: inter,
                 hidden: h,
                 out: routed,
+                mid,
+                acc,
             },
             kernel,
         );

@@ -5,11 +5,14 @@ pub mod template;
 
 use kiln_runtime::plan::{BufId, KernelFamily, LaunchArg, WeightId};
 
-/// A pointer argument: a program buffer or a weight slot.
+/// A pointer argument: a program buffer, a weight slot, one layer of the KV cache (GPU byte
+/// layout of `KvLayout`) or the RoPE table (`KvLayout::rope_table_bytes`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ptr {
     Buffer(BufId),
     Weight(WeightId),
+    KvCache(u32),
+    RopeTable,
 }
 
 impl From<Ptr> for LaunchArg {
@@ -17,6 +20,8 @@ impl From<Ptr> for LaunchArg {
         match p {
             Ptr::Buffer(b) => LaunchArg::Buffer(b),
             Ptr::Weight(w) => LaunchArg::Weight(w),
+            Ptr::KvCache(layer) => LaunchArg::KvCache { layer },
+            Ptr::RopeTable => LaunchArg::RopeTable,
         }
     }
 }

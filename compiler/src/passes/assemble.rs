@@ -80,7 +80,7 @@ pub fn assemble(plan: &mut Plan, ptxas: &Path) -> Result<Vec<Cubin>, CompileErro
     let _ = std::fs::remove_dir_all(&dir);
     // The largest dynamic shared memory any launch of each kernel asks for.
     let mut dynamic = vec![0u32; plan.kernels.len()];
-    for l in plan.programs.iter().flat_map(|p| &p.steps).filter_map(|s| s.launch.as_ref()) {
+    for l in plan.programs.iter().flat_map(|p| &p.steps).flat_map(|s| &s.launches) {
         let d = &mut dynamic[l.kernel.0 as usize];
         *d = (*d).max(l.smem_dynamic);
     }

@@ -104,7 +104,9 @@ pub fn plan_memory(
     let page_bytes = per_token * req.page_size as u64;
     let pages_per_seq = req.max_context.div_ceil(req.page_size);
     let min_pages = pages_per_seq as u64;
-    let fixed = headroom + weights + workspace;
+    // The RoPE table: (cos, sin) F32 per position and pair.
+    let rope_table = (req.max_context * cfg.qk_rope_head_dim * 4) as u64;
+    let fixed = headroom + weights + workspace + rope_table;
     let available = target.gpu_memory.saturating_sub(fixed);
     let pages = available / page_bytes;
     if pages < min_pages {

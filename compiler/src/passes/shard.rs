@@ -32,7 +32,7 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism) -> Result<S
         if !matches!(step.op, Op::Add { .. }) {
             for v in step.op.reads() {
                 if partial[v.0 as usize] {
-                    steps.push(Step { op: Op::AllReduce { buf: v }, kernel: KernelFamily::Collective, launch: None });
+                    steps.push(Step { op: Op::AllReduce { buf: v }, kernel: KernelFamily::Collective, launches: Vec::new() });
                     partial[v.0 as usize] = false;
                 }
             }
@@ -58,9 +58,12 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism) -> Result<S
                 *heads /= tp;
                 divide_last(&mut graph.values[out.0 as usize].dims, tp);
             }
-            Op::MoeExperts { experts_local, expert_parallel, intermediate, .. } => {
+            Op::MoeExperts { experts_local, expert_parallel, intermediate, mid, .. } => {
                 match par.moe {
-                    MoeParallel::Tp => *intermediate /= tp,
+                    MoeParallel::Tp => {
+                        *intermediate /= tp;
+                        divide_last(&mut graph.values[mid.0 as usize].dims, tp);
+                    }
                     MoeParallel::Ep => {
                         *experts_local /= tp;
                         *expert_parallel = true;
@@ -73,7 +76,7 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism) -> Result<S
                 if pa != pb {
                     // Mixing a partial and a complete value would count the complete one tp times.
                     let v = if pa { *a } else { *b };
-                    steps.push(Step { op: Op::AllReduce { buf: v }, kernel: KernelFamily::Collective, launch: None });
+                    steps.push(Step { op: Op::AllReduce { buf: v }, kernel: KernelFamily::Collective, launches: Vec::new() });
                     partial[v.0 as usize] = false;
                 }
                 out_partial = pa && pb;
@@ -96,7 +99,7 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism) -> Result<S
     }
     graph.values.push(gathered);
     let out = graph.values.len() as u32 - 1;
-    steps.push(Step { op: Op::AllGather { input: BufId(split), out: BufId(out) }, kernel: KernelFamily::Collective, launch: None });
+    steps.push(Step { op: Op::AllGather { input: BufId(split), out: BufId(out) }, kernel: KernelFamily::Collective, launches: Vec::new() });
     graph.logits = out;
     graph.steps = steps;
     Ok(Sharded { graph, slots, choices })

@@ -2,9 +2,12 @@
 //! indexer key. Slot `s` is `page * page_size + offset`; storage grows page by page as the
 //! session hands pages out, up to the plan's capacity, so a large plan costs nothing up front.
 
-use super::Round;
+use super::norm::rms_norm_row;
+use super::rope::Rope;
+use super::{Round, Tokens};
 use crate::error::RuntimeError;
-use crate::plan::KvLayout;
+use crate::numerics::{bf16_to_f32, f32_to_bf16};
+use crate::plan::{DType, KvLayout};
 
 pub(crate) struct KvCache {
     pub latent_dim: usize,
@@ -85,6 +88,70 @@ impl KvCache {
 
     pub fn index_mut(&mut self, layer: usize, slot: usize) -> &mut [f32] {
         &mut self.index[layer][slot * self.index_dim..(slot + 1) * self.index_dim]
+    }
+}
+
+impl KvCache {
+    /// Slots `0..slots` of one layer in the GPU byte layout (`KvLayout`): rows of
+    /// `[latent | rope | index]` in `dtype` (BF16 or F32); slots not allocated yet are zeros.
+    pub fn layer_bytes(&self, layer: usize, slots: usize, dtype: DType) -> Vec<u8> {
+        let mut out = Vec::with_capacity(slots * (self.latent_dim + self.rope_dim + self.index_dim) * dtype.size());
+        let zeros = vec![0f32; self.latent_dim.max(self.rope_dim).max(self.index_dim)];
+        for s in 0..slots {
+            let have = s < self.slots;
+            for (part, w) in [(0, self.latent_dim), (1, self.rope_dim), (2, self.index_dim)] {
+                let v: &[f32] = match (have, part) {
+                    (false, _) => &zeros[..w],
+                    (true, 0) => self.latent(layer, s),
+                    (true, 1) => self.rope(layer, s),
+                    _ => self.index(layer, s),
+                };
+                for &x in v {
+                    match dtype {
+                        DType::BF16 => out.extend(f32_to_bf16(x).to_le_bytes()),
+                        _ => out.extend(x.to_le_bytes()),
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Loads one layer from the GPU byte layout (the inverse of `layer_bytes`; allocates the
+    /// slots it covers).
+    pub fn set_layer_bytes(&mut self, layer: usize, bytes: &[u8], dtype: DType) -> Result<(), RuntimeError> {
+        let row = self.latent_dim + self.rope_dim + self.index_dim;
+        let vals: Vec<f32> = match dtype {
+            DType::BF16 => bytes.chunks_exact(2).map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect(),
+            _ => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        };
+        let slots = vals.len() / row.max(1);
+        self.reserve(slots)?;
+        let (a, b) = (self.latent_dim, self.latent_dim + self.rope_dim);
+        for (s, r) in vals.chunks_exact(row).enumerate() {
+            self.latent_mut(layer, s).copy_from_slice(&r[..a]);
+            self.rope_mut(layer, s).copy_from_slice(&r[a..b]);
+            self.index_mut(layer, s).copy_from_slice(&r[b..]);
+        }
+        Ok(())
+    }
+}
+
+/// `Op::MlaKvWrite`: for every token with a slot, the RMS-normalised latent (rounded to the
+/// `kv` buffer's dtype by `inner`, as transformers normalises in the activation dtype) and the
+/// rope key rotated at the token's position, both rounded to the cache dtype.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mla_write(src: &[f32], norm: &[f32], eps: f32, inner: Round, tokens: &Tokens, cache: &mut KvCache, layer: usize, rope: &Rope) {
+    let (r, dr) = (cache.latent_dim, cache.rope_dim);
+    let round = cache.round;
+    for t in 0..tokens.count() {
+        let Some(slot) = tokens.slot(t) else { continue };
+        let row = &src[t * (r + dr)..(t + 1) * (r + dr)];
+        rms_norm_row(&row[..r], norm, eps, inner, round, cache.latent_mut(layer, slot));
+        let kr = cache.rope_mut(layer, slot);
+        kr.copy_from_slice(&row[r..]);
+        rope.apply(kr, tokens.positions[t]);
+        kr.iter_mut().for_each(|v| *v = round.apply(*v));
     }
 }
 

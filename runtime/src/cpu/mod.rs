@@ -21,7 +21,7 @@ mod moe;
 mod norm;
 pub mod quant;
 pub mod reference;
-mod rope;
+pub mod rope;
 mod router;
 mod scratch;
 mod validate;
@@ -232,6 +232,16 @@ impl StepView<'_> {
     pub fn arena(&self, rank: usize) -> &[u8] {
         &self.ranks[rank].arena
     }
+
+    /// Slots `0..slots` of one layer of `rank`'s KV cache in the GPU byte layout (`KvLayout`).
+    pub fn kv_layer_bytes(&self, rank: usize, layer: usize, slots: usize) -> Vec<u8> {
+        self.ranks[rank].kv.layer_bytes(layer, slots, self.plan.memory.kv.dtype)
+    }
+
+    /// Slots of the KV cache allocated so far.
+    pub fn kv_slots(&self) -> usize {
+        self.ranks.first().map_or(0, |r| r.kv.slots())
+    }
 }
 
 /// A callback run around every step of every replay; it sees all ranks' buffers.
@@ -322,6 +332,11 @@ impl CpuBackend {
         self.last
     }
 
+    /// The RoPE table kernels read (`KvLayout::rope_table_bytes`), as F32 bytes.
+    pub fn rope_table_bytes(&self) -> Vec<u8> {
+        self.rope.table(self.plan.memory.kv.max_context).iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
     /// Slots of the KV cache allocated so far (per rank).
     pub fn kv_slots_allocated(&self) -> usize {
         self.ranks.first().map_or(0, |r| r.kv.slots())
@@ -403,7 +418,7 @@ fn grow<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
 }
 
 /// Validates a replay's inputs; returns the number of cache slots it needs.
-fn check_inputs(plan: &Plan, p: &Program, inputs: &Inputs) -> Result<usize, RuntimeError> {
+pub(crate) fn check_inputs(plan: &Plan, p: &Program, inputs: &Inputs) -> Result<usize, RuntimeError> {
     let bad = |what: &str, message: String| RuntimeError::input(format!("program {} input `{what}`", p.name), message);
     let pi = p.inputs;
     for (what, b, v) in [
@@ -642,19 +657,8 @@ impl Rank {
                 self.f[out.0 as usize] = o;
             }
             Op::MlaKvWrite { kv, norm: w, eps, layer } => {
-                let (r, dr) = (self.kv.latent_dim, self.kv.rope_dim);
-                let (inner, cache) = (round(kv), self.kv.round);
                 let tk = tokens_in(&self.i, cx);
-                let src = &self.f[kv.0 as usize][..n(kv)];
-                for t in 0..tk.count() {
-                    let Some(slot) = tk.slot(t) else { continue };
-                    let row = &src[t * (r + dr)..(t + 1) * (r + dr)];
-                    norm::rms_norm_row(&row[..r], &self.small[w.0 as usize], eps, inner, cache, self.kv.latent_mut(layer, slot));
-                    let kr = self.kv.rope_mut(layer, slot);
-                    kr.copy_from_slice(&row[r..]);
-                    cx.rope.apply(kr, tk.positions[t]);
-                    kr.iter_mut().for_each(|v| *v = cache.apply(*v));
-                }
+                kv_cache::mla_write(&self.f[kv.0 as usize][..n(kv)], &self.small[w.0 as usize], eps, round(kv), &tk, &mut self.kv, layer, cx.rope);
             }
             Op::IndexerKeyWrite { k, norm: w, bias, eps, layer } => {
                 let tk = tokens_in(&self.i, cx);
@@ -694,7 +698,7 @@ impl Rank {
                 self.i[ids.0 as usize] = ids_v;
                 self.f[weights.0 as usize] = w_v;
             }
-            Op::MoeExperts { input, ids, weights, ref gate_up, ref down, experts_local, expert_parallel, intermediate, hidden, out } => {
+            Op::MoeExperts { input, ids, weights, ref gate_up, ref down, experts_local, expert_parallel, intermediate, hidden, out, .. } => {
                 let stack = |w: &LinearWeights| match *w {
                     LinearWeights::Bf16 { weight } => moe::Stack::Bf16(slot_bytes(plan, &self.arena, weight)),
                     LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => moe::Stack::Nvfp4 {

@@ -4,7 +4,7 @@
 //! transformers returns the rotated vector de-interleaved ([evens | odds]); kiln keeps the pairs in
 //! place. Dot products are identical because q and k always get the same layout.
 
-pub(crate) struct Rope {
+pub struct Rope {
     /// `1 / theta^(2i/d)` for i in 0..d/2, computed in f32 exactly as transformers does.
     inv_freq: Vec<f32>,
 }
@@ -14,6 +14,19 @@ impl Rope {
         let base = theta as f32;
         let inv_freq = (0..dim / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32)).collect();
         Rope { inv_freq }
+    }
+
+    /// `(cos, sin)` of every pair for positions `0..rows`, F32 `[rows, dim / 2, 2]`: the GPU's
+    /// RoPE table (`KvLayout::rope_table_bytes`), the same values `apply` rotates by.
+    pub fn table(&self, rows: usize) -> Vec<f32> {
+        let mut t = Vec::with_capacity(rows * self.inv_freq.len() * 2);
+        for pos in 0..rows {
+            for &f in &self.inv_freq {
+                let (sin, cos) = (pos as f32 * f).sin_cos();
+                t.extend([cos, sin]);
+            }
+        }
+        t
     }
 
     pub fn dim(&self) -> usize {
@@ -55,6 +68,11 @@ mod tests {
         assert_eq!(y, [0.3, -0.7, 1.5, 0.25]);
         rope.apply(&mut y, 12345);
         assert!(((y[0] * y[0] + y[1] * y[1]) - 0.58).abs() < 1e-5);
+        // The GPU table holds exactly the rotation `apply` uses.
+        let t = rope.table(4);
+        let mut z = [1.0, 0.0, 1.0, 0.0];
+        rope.apply(&mut z, 3);
+        assert_eq!([t[3 * 4], t[3 * 4 + 1], t[3 * 4 + 2], t[3 * 4 + 3]], [z[0], z[1], z[2], z[3]]);
     }
 
     #[test]

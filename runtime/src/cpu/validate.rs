@@ -162,12 +162,14 @@ fn check_op(plan: &Plan, p: &Program, op: &Op) -> Result<(), String> {
             int(ids, t * params.top_k)?;
             float(weights, t * params.top_k)
         }
-        Op::MoeExperts { input, ids, weights, ref gate_up, ref down, experts_local, expert_parallel, intermediate, hidden, out } => {
+        Op::MoeExperts { input, ids, weights, ref gate_up, ref down, experts_local, expert_parallel, intermediate, hidden, out, mid, acc } => {
             let top_k = width(p, ids);
             float(input, t * hidden)?;
             int(ids, t * top_k)?;
             float(weights, t * top_k)?;
             float(out, t * hidden)?;
+            float(mid, t * top_k * intermediate)?;
+            float(acc, t * hidden)?;
             if expert_parallel && experts_local * plan.ranks() > m.n_routed_experts {
                 return Err(format!("{experts_local} experts per rank x {} ranks", plan.ranks()));
             }

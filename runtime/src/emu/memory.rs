@@ -20,6 +20,8 @@ struct Buffer {
     base: u64,
     len: usize,
     words: Box<[AtomicU64]>,
+    /// Bytes kernels have loaded from this buffer (for per-buffer traffic reports).
+    loaded: AtomicU64,
 }
 
 /// Device global memory: named buffers with stable addresses.
@@ -52,7 +54,7 @@ impl GlobalMemory {
         let base = self.next;
         let words = (0..len.div_ceil(8)).map(|_| AtomicU64::new(0)).collect::<Vec<_>>().into_boxed_slice();
         self.next = (base + len as u64 + GUARD).next_multiple_of(256);
-        self.bufs.push(Buffer { name: name.to_string(), base, len, words });
+        self.bufs.push(Buffer { name: name.to_string(), base, len, words, loaded: AtomicU64::new(0) });
         BufferId(self.bufs.len() - 1)
     }
 
@@ -84,6 +86,11 @@ impl GlobalMemory {
 
     pub fn len(&self, id: BufferId) -> usize {
         self.bufs[id.0].len
+    }
+
+    /// Bytes kernels have loaded from buffer `id` since it was allocated.
+    pub fn bytes_loaded(&self, id: BufferId) -> u64 {
+        self.bufs[id.0].loaded.load(Ordering::Relaxed)
     }
 
     pub fn name(&self, id: BufferId) -> &str {
@@ -144,6 +151,7 @@ impl GlobalMemory {
     /// Reads `size` (1, 2, 4 or 8) naturally aligned bytes, little-endian.
     pub fn load(&self, addr: u64, size: u64) -> Result<u64, String> {
         let (b, off) = self.locate(addr, size)?;
+        b.loaded.fetch_add(size, Ordering::Relaxed);
         let w = b.words[off / 8].load(Ordering::Relaxed);
         Ok(extract(w, off, size))
     }
@@ -255,5 +263,7 @@ mod tests {
         let old = g.rmw(g.addr(b) + 4, 4, &|v| v + 1).unwrap();
         assert_eq!(old, 0xDEADBEEF);
         assert_eq!(g.read_u32(b)[1], 0xDEADBEF0);
+        // One 2-byte load from `a` succeeded (the faulting ones load nothing).
+        assert_eq!(g.bytes_loaded(a), 2);
     }
 }

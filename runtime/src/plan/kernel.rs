@@ -68,6 +68,10 @@ pub enum LaunchArg {
     /// launches on every rank), so this is how a kernel learns which slice a rank owns, e.g.
     /// the first vocabulary row of the embedding slice (`value` = rows per rank).
     PerRank(u32),
+    /// Device address of one layer's KV cache (see [`super::KvLayout`] for the byte layout).
+    KvCache { layer: u32 },
+    /// Device address of the RoPE table (see [`super::KvLayout::rope_table`]).
+    RopeTable,
 }
 
 impl LaunchArg {
@@ -86,14 +90,4 @@ pub struct Launch {
     /// Dynamic shared memory in bytes (kiln's kernels use static shared memory: 0).
     pub smem_dynamic: u32,
     pub args: Vec<LaunchArg>,
-}
-
-/// A kernel family some steps need but that has no template (yet) for the target or shape.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MissingKernel {
-    pub family: KernelFamily,
-    /// Steps (over all programs) left without a launch.
-    pub steps: usize,
-    /// Why, e.g. "no template" or "activations of 64 x 6144 do not fit shared memory".
-    pub reason: String,
 }

@@ -3,6 +3,11 @@ use serde::{Deserialize, Serialize};
 
 /// Paged KV cache geometry: per token and layer it holds the MLA latent, the rope key and the
 /// indexer key. MLA shares one latent across heads, so every rank keeps the whole cache.
+///
+/// GPU byte layout (what kernels address through `LaunchArg::KvCache { layer }`): layer-major,
+/// each layer `[capacity_tokens, row_elems]` in `dtype`, a slot's row being
+/// `[latent (latent_dim) | rope key (rope_dim) | indexer key (index_dim)]`. Slot `s` is
+/// `page * page_size + offset`, as the page table says.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KvLayout {
     pub dtype: DType,
@@ -30,6 +35,23 @@ impl KvLayout {
     pub fn bytes(&self) -> u64 {
         self.capacity_tokens() * self.bytes_per_token
     }
+
+    /// Values in one slot's row of one layer.
+    pub fn row_elems(&self) -> usize {
+        self.latent_dim + self.rope_dim + self.index_dim
+    }
+
+    /// Bytes of one layer's cache (the distance between two `KvCache` layer addresses).
+    pub fn layer_bytes(&self) -> u64 {
+        self.capacity_tokens() * (self.row_elems() * self.dtype.size()) as u64
+    }
+
+    /// The RoPE table kernels read through `LaunchArg::RopeTable`: for every position below
+    /// `max_context` and pair `i < rope_dim / 2`, `(cos, sin)` of `pos * inv_freq[i]` as F32,
+    /// `[max_context, rope_dim / 2, 2]`. Precomputed so GPU and CPU rotate by identical values.
+    pub fn rope_table_bytes(&self) -> u64 {
+        (self.max_context * self.rope_dim * 4) as u64
+    }
 }
 
 /// Per-rank memory budget. Everything is decided here, at compile time: if it does not fit the
@@ -48,6 +70,6 @@ pub struct MemoryPlan {
 
 impl MemoryPlan {
     pub fn used(&self) -> u64 {
-        self.headroom + self.weights + self.workspace + self.kv.bytes()
+        self.headroom + self.weights + self.workspace + self.kv.bytes() + self.kv.rope_table_bytes()
     }
 }

@@ -14,7 +14,7 @@ mod weights;
 pub use config::ModelConfig;
 pub use dtype::DType;
 pub use io::{read_plan, write_plan, PlanError, PLAN_FILE};
-pub use kernel::{PtxArch, KernelId, KernelInfo, Launch, LaunchArg, MissingKernel, Resources};
+pub use kernel::{PtxArch, KernelId, KernelInfo, Launch, LaunchArg, Resources};
 pub use memory::{KvLayout, MemoryPlan};
 pub use op::{AttentionForm, Epilogue, LinearPart, LinearWeights, Op, RouterParams};
 pub use program::{BufId, Buffer, Dim, KernelFamily, Program, ProgramInputs, ProgramKind, Step};
@@ -27,7 +27,7 @@ pub use weights::{
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever the serialized layout of [`Plan`] changes; the runtime refuses other versions.
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 
 /// A compiled model for one target: the unit the runtime loads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -54,8 +54,6 @@ pub struct Plan {
     pub ignored: Vec<String>,
     /// Kernel instances the steps launch (empty for the CPU target).
     pub kernels: Vec<KernelInfo>,
-    /// Kernel families that steps need but that have no kernel yet, per family.
-    pub missing_kernels: Vec<MissingKernel>,
 }
 
 impl Plan {

@@ -65,6 +65,11 @@ pub enum Op {
         intermediate: usize,
         hidden: usize,
         out: BufId,
+        /// Kernel scratch (the CPU does not use it): BF16 `[tokens * top_k, intermediate]`, the
+        /// SwiGLU output of every (token, choice) pair ...
+        mid: BufId,
+        /// ... and F32 `[tokens, hidden]`, the weighted sum over experts before rounding.
+        acc: BufId,
     },
     /// `out = a + b` elementwise.
     Add { a: BufId, b: BufId, out: BufId },
@@ -152,15 +157,30 @@ impl Op {
             | Op::Linear { out, .. }
             | Op::IndexerTopK { out, .. }
             | Op::MlaAttention { out, .. }
-            | Op::MoeExperts { out, .. }
             | Op::Add { out, .. }
             | Op::GatherRows { out, .. }
             | Op::AllGather { out, .. } => vec![*out],
             Op::RmsNorm { residual, out, .. } => std::iter::once(*out).chain(*residual).collect(),
+            Op::MoeExperts { out, mid, acc, .. } => vec![*out, *mid, *acc],
             Op::Router { ids, weights, .. } => vec![*ids, *weights],
             Op::AllReduce { buf } => vec![*buf],
             Op::MlaKvWrite { .. } | Op::IndexerKeyWrite { .. } => vec![],
         }
+    }
+
+    /// Written buffers that are only kernel scratch: their contents are not a result of the op
+    /// (the CPU backend leaves them alone; `verify` does not compare them).
+    pub fn scratch(&self) -> Vec<BufId> {
+        match self {
+            Op::MoeExperts { mid, acc, .. } => vec![*mid, *acc],
+            _ => vec![],
+        }
+    }
+
+    /// Written buffers that hold the op's results.
+    pub fn results(&self) -> Vec<BufId> {
+        let scratch = self.scratch();
+        self.writes().into_iter().filter(|b| !scratch.contains(b)).collect()
     }
 
     /// Weight slots the op reads.

@@ -74,9 +74,10 @@ impl KernelFamily {
 pub struct Step {
     pub op: Op,
     pub kernel: KernelFamily,
-    /// The kernel launch that executes `op` on a GPU target (set by lowering; None on the CPU
-    /// target and for families without a kernel yet, see `Plan::missing_kernels`).
-    pub launch: Option<Launch>,
+    /// The kernel launches that execute `op` on a GPU target, in order (set by lowering; empty on
+    /// the CPU target, for collectives, and for families without a kernel, see
+    /// `Plan::missing_kernels`). Most ops take one; MoE takes two (gate/up, then down + combine).
+    pub launches: Vec<Launch>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -21,8 +21,6 @@ pub struct Summary {
     pub tensors: usize,
     /// Kernel instances with their ptxas resources (empty for the CPU target).
     pub kernels: Vec<KernelSummary>,
-    /// Families that steps need but that have no kernel yet.
-    pub missing_kernels: Vec<MissingSummary>,
 }
 
 #[derive(Debug, Serialize)]
@@ -39,13 +37,6 @@ pub struct KernelSummary {
 }
 
 #[derive(Debug, Serialize)]
-pub struct MissingSummary {
-    pub family: String,
-    pub steps: usize,
-    pub reason: String,
-}
-
-#[derive(Debug, Serialize)]
 pub struct PerGpu {
     pub gpu_memory_bytes: u64,
     pub weight_bytes: u64,
@@ -57,6 +48,8 @@ pub struct PerGpu {
     pub kv_page_size: usize,
     pub kv_pages: usize,
     pub kv_token_capacity: u64,
+    /// The RoPE (cos, sin) table the kernels read.
+    pub rope_table_bytes: u64,
     pub headroom_bytes: u64,
     pub free_bytes: u64,
 }
@@ -105,6 +98,7 @@ pub fn summarize(plan: &Plan) -> Summary {
             kv_page_size: m.kv.page_size,
             kv_pages: m.kv.pages,
             kv_token_capacity: m.kv.capacity_tokens(),
+            rope_table_bytes: m.kv.rope_table_bytes(),
             headroom_bytes: m.headroom,
             free_bytes: m.gpu_memory.saturating_sub(m.used()),
         },
@@ -139,24 +133,19 @@ pub fn summarize(plan: &Plan) -> Summary {
                     .programs
                     .iter()
                     .flat_map(|p| &p.steps)
-                    .filter(|s| s.launch.as_ref().is_some_and(|l| l.kernel.0 as usize == i))
+                    .filter(|s| s.launches.iter().any(|l| l.kernel.0 as usize == i))
                     .count(),
                 smem_dynamic_bytes: plan
                     .programs
                     .iter()
                     .flat_map(|p| &p.steps)
-                    .filter_map(|s| s.launch.as_ref())
+                    .flat_map(|s| &s.launches)
                     .filter(|l| l.kernel.0 as usize == i)
                     .map(|l| l.smem_dynamic)
                     .max()
                     .unwrap_or(0),
                 resources: k.resources,
             })
-            .collect(),
-        missing_kernels: plan
-            .missing_kernels
-            .iter()
-            .map(|m| MissingSummary { family: m.family.name().into(), steps: m.steps, reason: m.reason.clone() })
             .collect(),
     }
 }

@@ -1,15 +1,23 @@
 //! Lowering: gives every plan step whose kernel family has a template its kernel instance and
 //! launch (fixed grid / block / shared memory and arguments over buffer and weight ids).
 //!
-//! Steps whose family has no template yet (or whose shape the template does not cover, e.g. a
-//! GEMV with too many rows) are recorded in `Plan::missing_kernels` and reported by
-//! `kiln inspect`. Once every family has a template this becomes a compile error (no silent
-//! fallback); today it cannot be, or GLM-5 would not compile at all.
+//! A step no template covers (a family without a kernel for the target, or a shape outside every
+//! template) is a compile error listing each such family with its reason: a GPU plan never falls
+//! back silently.
+//!
+//! One file per kernel family beside this one (`cache`, `indexer`, `attention`, `moe`, `gemm`);
+//! each turns its ops into instances with [`of`] / [`of_grid`].
+
+mod attention;
+mod cache;
+mod gemm;
+mod indexer;
+mod moe;
 
 use crate::kernels::{AddArgs, AddParams, EmbedArgs, EmbedParams, RouterArgs, RouterParams, GatherRowsArgs, GatherRowsParams, LinearBf16GemvArgs, LinearBf16GemvParams, LinearNvfp4GemvArgs, LinearNvfp4GemvParams, KernelParams, Ptr, RmsnormArgs, RmsnormParams};
 use crate::CompileError;
 use kiln_runtime::plan::{
-    Arch, BufId, DType, Epilogue, KernelFamily, KernelId, KernelInfo, Launch, LaunchArg, LinearWeights, MissingKernel, Op, Plan,
+    Arch, BufId, DType, Epilogue, KernelFamily, KernelId, KernelInfo, Launch, LaunchArg, LinearWeights, Op, Plan,
     Program,
 };
 use std::collections::BTreeMap;
@@ -27,19 +35,26 @@ pub const ELEMENTWISE_MAX_GRID: u32 = 1024;
 pub const SMEM_LIMIT: u32 = 101_376;
 
 /// A kernel instance before it is added to the plan.
-struct Instance {
+pub(crate) struct Instance {
     template: &'static str,
     entry: &'static str,
     family: KernelFamily,
     values: Vec<(&'static str, u64)>,
     ptx: Result<String, String>,
     smem: Result<u32, String>,
-    grid: u32,
+    grid: [u32; 3],
+    /// Threads per block (x only).
+    block: u32,
     args: Vec<LaunchArg>,
 }
 
-/// The instance of any template's `params` with its launch grid and arguments.
-fn of<P: KernelParams>(params: &P, grid: u32, args: Vec<LaunchArg>) -> Instance {
+/// The instance of any template's `params` with a 1-D grid of `THREADS`-thread blocks.
+pub(crate) fn of<P: KernelParams>(params: &P, grid: u32, args: Vec<LaunchArg>) -> Instance {
+    of_grid(params, [grid, 1, 1], THREADS, args)
+}
+
+/// The instance of any template's `params` with its grid, block size and arguments.
+pub(crate) fn of_grid<P: KernelParams>(params: &P, grid: [u32; 3], block: u32, args: Vec<LaunchArg>) -> Instance {
     Instance {
         template: P::TEMPLATE,
         entry: P::ENTRY,
@@ -48,12 +63,22 @@ fn of<P: KernelParams>(params: &P, grid: u32, args: Vec<LaunchArg>) -> Instance 
         ptx: params.render(),
         smem: params.dynamic_smem(),
         grid,
+        block,
         args,
     }
 }
 
-/// Attaches launches to the steps of every program; fills `plan.kernels` and
-/// `plan.missing_kernels`. Deterministic: kernels are numbered in order of first use.
+/// What every family's lowering sees of the step it lowers.
+pub(crate) struct Cx<'a> {
+    pub plan: &'a Plan,
+    pub program: &'a Program,
+    /// 120 or 90.
+    pub arch: u32,
+    pub smem_limit: u32,
+}
+
+/// Attaches launches to the steps of every program and fills `plan.kernels`; fails if any step
+/// is left without a kernel. Deterministic: kernels are numbered in order of first use.
 pub fn lower(plan: &mut Plan) -> Result<(), CompileError> {
     let arch = match plan.target.arch {
         Arch::Cpu => return Ok(()),
@@ -67,48 +92,55 @@ pub fn lower(plan: &mut Plan) -> Result<(), CompileError> {
     let mut programs = std::mem::take(&mut plan.programs);
     for program in &mut programs {
         for s in 0..program.steps.len() {
-            let step = &program.steps[s];
-            if step.kernel == KernelFamily::Collective {
+            let family = program.steps[s].kernel;
+            if family == KernelFamily::Collective {
                 continue;
             }
-            match instance(plan, program, &step.op, arch, smem_limit) {
-                Err(reason) => *missing.entry((step.kernel, reason)).or_default() += 1,
-                Ok(inst) => {
-                    let smem = inst.smem.clone().map_err(|message| CompileError::Verifier { pass: "lower", message })?;
-                    let name = std::iter::once(inst.template.to_string())
-                        .chain(inst.values.iter().map(|(k, v)| format!("{}{v}", k.to_ascii_lowercase())))
-                        .collect::<Vec<_>>()
-                        .join("_");
-                    let id = match by_name.get(&name) {
-                        Some(&id) => id,
-                        None => {
-                            let ptx = inst.ptx.map_err(|message| CompileError::Verifier {
-                                pass: "lower",
-                                message: format!("rendering {name}: {message}"),
-                            })?;
-                            let id = KernelId(kernels.len() as u32);
-                            kernels.push(KernelInfo {
-                                name: name.clone(),
-                                family: inst.family,
-                                template: inst.template.into(),
-                                entry: inst.entry.into(),
-                                params: inst.values.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
-                                ptx,
-                                resources: None,
-                            });
-                            by_name.insert(name, id);
-                            id
-                        }
-                    };
-                    program.steps[s].launch =
-                        Some(Launch { kernel: id, grid: [inst.grid, 1, 1], block: [THREADS, 1, 1], smem_dynamic: smem, args: inst.args });
+            let cx = Cx { plan, program, arch, smem_limit };
+            match instances(&cx, &program.steps[s].op) {
+                Err(reason) => *missing.entry((family, reason)).or_default() += 1,
+                Ok(list) => {
+                    let mut launches = Vec::with_capacity(list.len());
+                    for inst in list {
+                        let smem = inst.smem.clone().map_err(|message| CompileError::Verifier { pass: "lower", message })?;
+                        let name = std::iter::once(inst.template.to_string())
+                            .chain(inst.values.iter().map(|(k, v)| format!("{}{v}", k.to_ascii_lowercase())))
+                            .collect::<Vec<_>>()
+                            .join("_");
+                        let id = match by_name.get(&name) {
+                            Some(&id) => id,
+                            None => {
+                                let ptx = inst.ptx.map_err(|message| CompileError::Verifier {
+                                    pass: "lower",
+                                    message: format!("rendering {name}: {message}"),
+                                })?;
+                                let id = KernelId(kernels.len() as u32);
+                                kernels.push(KernelInfo {
+                                    name: name.clone(),
+                                    family: inst.family,
+                                    template: inst.template.into(),
+                                    entry: inst.entry.into(),
+                                    params: inst.values.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+                                    ptx,
+                                    resources: None,
+                                });
+                                by_name.insert(name, id);
+                                id
+                            }
+                        };
+                        launches.push(Launch { kernel: id, grid: inst.grid, block: [inst.block, 1, 1], smem_dynamic: smem, args: inst.args });
+                    }
+                    program.steps[s].launches = launches;
                 }
             }
         }
     }
+    if !missing.is_empty() {
+        let list = missing.iter().map(|((family, reason), steps)| format!("{} ({steps} steps): {reason}", family.name())).collect::<Vec<_>>().join("; ");
+        return Err(CompileError::NoKernel { target: plan.target.name.clone(), list });
+    }
     plan.programs = programs;
     plan.kernels = kernels;
-    plan.missing_kernels = missing.into_iter().map(|((family, reason), steps)| MissingKernel { family, steps, reason }).collect();
     verify_launches(plan, smem_limit)
 }
 
@@ -118,7 +150,7 @@ fn verify_launches(plan: &Plan, smem_limit: u32) -> Result<(), CompileError> {
     let bug = |message: String| CompileError::Verifier { pass: "lower", message };
     for p in &plan.programs {
         for (s, step) in p.steps.iter().enumerate() {
-            let Some(l) = &step.launch else { continue };
+          for l in &step.launches {
             let at = format!("{} step {s} ({})", p.name, step.op.name());
             let k = plan.kernels.get(l.kernel.0 as usize).ok_or_else(|| bug(format!("{at}: kernel {} does not exist", l.kernel.0)))?;
             if k.family != step.kernel {
@@ -139,21 +171,22 @@ fn verify_launches(plan: &Plan, smem_limit: u32) -> Result<(), CompileError> {
             if l.grid.contains(&0) || l.block[0] * l.block[1] * l.block[2] > 1024 || l.smem_dynamic > smem_limit {
                 return Err(bug(format!("{at}: launch {:?} x {:?} with {} B shared memory is out of bounds", l.grid, l.block, l.smem_dynamic)));
             }
+          }
         }
     }
     Ok(())
 }
 
-fn numel(p: &Program, b: BufId) -> usize {
+pub(crate) fn numel(p: &Program, b: BufId) -> usize {
     p.buffer(b).shape.iter().product()
 }
 
-fn width(p: &Program, b: BufId) -> usize {
+pub(crate) fn width(p: &Program, b: BufId) -> usize {
     p.buffer(b).shape.last().copied().unwrap_or(1)
 }
 
 /// 1 for BF16, 0 for F32, else why not.
-fn float_flag(dtype: DType, what: &str) -> Result<u32, String> {
+pub(crate) fn float_flag(dtype: DType, what: &str) -> Result<u32, String> {
     match dtype {
         DType::BF16 => Ok(1),
         DType::F32 => Ok(0),
@@ -161,11 +194,26 @@ fn float_flag(dtype: DType, what: &str) -> Result<u32, String> {
     }
 }
 
-fn fits(bytes: usize, limit: u32, what: &str) -> Result<(), String> {
+pub(crate) fn fits(bytes: usize, limit: u32, what: &str) -> Result<(), String> {
     if bytes > limit as usize {
         return Err(format!("{what} needs {bytes} B of shared memory (limit {limit} B); needs a tiled kernel"));
     }
     Ok(())
+}
+
+/// The launches of one step, in order, or why it has none.
+fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
+    match op {
+        Op::MlaKvWrite { .. } | Op::IndexerKeyWrite { .. } => cache::instances(cx, op),
+        Op::IndexerTopK { .. } => indexer::instances(cx, op),
+        Op::MlaAttention { .. } => attention::instances(cx, op),
+        Op::MoeExperts { .. } => moe::instances(cx, op),
+        Op::Linear { .. } => match instance(cx.plan, cx.program, op, cx.arch, cx.smem_limit) {
+            Ok(i) => Ok(vec![i]),
+            Err(gemv) => gemm::instances(cx, op).map_err(|gemm| format!("GEMV: {gemv}; GEMM: {gemm}")),
+        },
+        _ => instance(cx.plan, cx.program, op, cx.arch, cx.smem_limit).map(|i| vec![i]),
+    }
 }
 
 fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Result<Instance, String> {

@@ -1,0 +1,170 @@
+//! MLA attention in absorbed form over the paged latent cache: `Op::MlaAttention` (decode and prefill, dense or over the indexer's top-k).
+//!
+//! Both `AttentionForm`s lower to the absorbed kernel: the forms are mathematically equal and
+//! the absorbed one reads each selected latent row once for all heads of a block instead of
+//! expanding per-head keys and values. One block per (token, group of heads).
+
+use super::{fits, float_flag, numel, of_grid, width, Cx, Instance, THREADS};
+use crate::kernels::{MlaAttentionArgs, MlaAttentionParams, Ptr};
+use kiln_runtime::plan::{DType, Op};
+
+/// Context accumulators a lane may hold: heads per block x 4 dims x latent chunks of 128.
+const MAX_CTX_REGS: usize = 128;
+/// Most heads per block (GLM-5: the 8 heads of a tp8 rank share every latent row they load).
+const MAX_HEADS_PER_BLOCK: usize = 8;
+/// Blocks below which heads are split over more blocks (decode batches), at the cost of reading
+/// each selected latent row once per group instead of once per token.
+const MIN_BLOCKS: usize = 256;
+/// Positions resolved to cache slots per round (shared memory: 4 B each).
+const MAX_CHUNK: usize = 2048;
+
+/// Heads per block: a divisor of `heads` whose context fits the registers, as many as possible
+/// while the grid still has `MIN_BLOCKS` blocks.
+fn heads_per_block(heads: usize, latent_chunks: usize, tokens: usize) -> usize {
+    let cap = (MAX_CTX_REGS / (4 * latent_chunks)).clamp(1, MAX_HEADS_PER_BLOCK);
+    let fits = |g: usize| heads % g == 0 && g <= cap;
+    let mut g = (1..=cap.min(heads)).rev().find(|&g| fits(g)).unwrap_or(1);
+    while g > 1 && tokens * heads / g < MIN_BLOCKS {
+        match (1..g).rev().find(|&d| fits(d)) {
+            Some(d) => g = d,
+            None => break,
+        }
+    }
+    g
+}
+
+/// Threads per block: small head groups (decode batches, at most ~110 registers) get 16 warps,
+/// halving the positions each warp streams through; larger groups keep 8 (up to ~240 registers).
+fn threads_for(hg: usize) -> u32 {
+    if hg <= 2 {
+        2 * THREADS
+    } else {
+        THREADS
+    }
+}
+
+/// Slices of the nope rows that q_abs = W_UK^T q_nope is summed over in parallel: as many as
+/// keep every thread busy (a task is 8 columns of one head and slice), dividing nope into runs of
+/// 4 rows.
+fn q_slices(nope: usize, hg: usize, latent_chunks: usize, threads: u32) -> usize {
+    [8, 4, 2, 1].into_iter().find(|&s| nope % (4 * s) == 0 && s * hg * latent_chunks * 16 <= threads as usize).unwrap_or(1)
+}
+
+/// Whether the scores go to the tensor cores: a group of exactly 8 heads fills the mma's N, and
+/// the fragments load 16 / 8 B pieces of the cache rows. q enters as three BF16 terms (~f32);
+/// F32 outputs (tested at 2^-16) stay on the CUDA cores all the same. Returns (MMA, QBS): QBS is
+/// the bytes per head of each BF16 term of q (64 mod 128 B apart: conflict-free B fragment loads).
+fn mma_layout(hg: usize, latent: usize, rope: usize, row: usize, out_bf16: bool) -> (u32, u32) {
+    if hg == 8 && latent % 64 == 0 && rope % 16 == 0 && row % 8 == 0 && out_bf16 {
+        (1, (((latent + rope) * 2).div_ceil(128) * 128 + 64) as u32)
+    } else {
+        (0, 0)
+    }
+}
+
+/// Positions per staging round: the top-k width rounded up to whole rounds of the block, or a
+/// fixed chunk for dense attention (the context is unbounded).
+fn chunk(topk: usize, threads: u32) -> usize {
+    let t = threads as usize;
+    if topk == 0 {
+        1024
+    } else {
+        topk.div_ceil(t).saturating_mul(t).min(MAX_CHUNK)
+    }
+}
+
+pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
+    let Op::MlaAttention { q, kv_b, topk, layer, heads, scale, form: _, out } = *op else {
+        return Err("not an MLA attention".into());
+    };
+    let (p, m, kv) = (cx.program, &cx.plan.model, &cx.plan.memory.kv);
+    let (nope, rope, v, latent) = (m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank);
+    if kv.dtype != DType::BF16 || kv.latent_dim != latent || kv.rope_dim != rope {
+        return Err(format!("the cache ({} latent {} rope {}) does not hold this model's BF16 latents", kv.dtype, kv.latent_dim, kv.rope_dim));
+    }
+    if nope % 4 != 0 || rope % 4 != 0 || rope == 0 || rope > 128 || latent % 8 != 0 || latent == 0 || v == 0 || v % 4 != 0 || kv.row_elems() % 4 != 0 {
+        return Err(format!("nope {nope}, rope {rope}, v {v}, latent {latent}, row {} are outside the template", kv.row_elems()));
+    }
+    let qk = nope + rope;
+    let tokens = numel(p, q) / (heads * qk).max(1);
+    if tokens == 0 || numel(p, q) != tokens * heads * qk || numel(p, out) != tokens * heads * v {
+        return Err(format!("q {:?} / out {:?} do not match {heads} heads", p.buffer(q).shape, p.buffer(out).shape));
+    }
+    if cx.plan.weight(kv_b).dtype != DType::BF16 {
+        return Err("kv_b must be BF16".into());
+    }
+    let ins = p.inputs;
+    for b in [ins.positions, ins.token_seq, ins.page_table].into_iter().chain(topk) {
+        if p.buffer(b).dtype != DType::I32 {
+            return Err(format!("{} is not I32", p.buffer(b).name));
+        }
+    }
+    let k = match topk {
+        Some(t) if numel(p, t) == tokens * width(p, t) && width(p, t) > 0 => width(p, t),
+        Some(t) => return Err(format!("top-k {:?} does not have a row per token", p.buffer(t).shape)),
+        None => 0,
+    };
+    let nl = latent.div_ceil(128);
+    let slots = u32::try_from(kv.pages * kv.page_size).map_err(|_| "the cache slots overflow a u32".to_string())?;
+    let max_pos = u32::try_from(kv.max_context).map_err(|_| "the context overflows a u32".to_string())?;
+    let (q_bf16, out_bf16) = (float_flag(p.buffer(q).dtype, "q")?, float_flag(p.buffer(out).dtype, "the output")?);
+    let instance = |hg: usize| -> MlaAttentionParams {
+        let threads = threads_for(hg);
+        let qs = q_slices(nope, hg, nl, threads);
+        let (mma, qbs) = mma_layout(hg, latent, rope, kv.row_elems(), out_bf16 == 1);
+        // The q_abs partial sums and (MMA) the split q and p tiles share one scratch region.
+        let xs = (qs * hg * nl * 512).max(mma as usize * (3 * hg * qbs as usize + threads as usize / 32 * 576));
+        MlaAttentionParams {
+            arch: cx.arch,
+            heads: heads as u32,
+            hg: hg as u32,
+            nope: nope as u32,
+            rope: rope as u32,
+            v: v as u32,
+            latent: latent as u32,
+            nl: nl as u32,
+            qs: qs as u32,
+            row: kv.row_elems() as u32,
+            page: kv.page_size.max(1) as u32,
+            pps: width(p, ins.page_table) as u32,
+            slots,
+            max_pos,
+            topk: k as u32,
+            chunk: chunk(k, threads) as u32,
+            threads,
+            mma,
+            qbs,
+            xs: xs as u32,
+            q_bf16,
+            out_bf16,
+        }
+    };
+    // The preferred head group, or smaller ones while shared memory does not fit.
+    let mut hg = heads_per_block(heads, nl, tokens);
+    if 4 * nl * hg > MAX_CTX_REGS {
+        return Err(format!("a latent of {latent} does not fit one warp's registers"));
+    }
+    let mut params = instance(hg);
+    while hg > 1 && params.dynamic_smem()? > cx.smem_limit {
+        hg = (1..hg).rev().find(|d| heads % d == 0).unwrap_or(1);
+        params = instance(hg);
+    }
+    let smem = params.dynamic_smem()?;
+    fits(smem as usize, cx.smem_limit, &format!("MLA attention over {hg} heads"))?;
+    if tokens > 65_535 {
+        return Err(format!("{tokens} tokens exceed the grid's y dimension"));
+    }
+    let args = MlaAttentionArgs {
+        q: Ptr::Buffer(q),
+        kv_b: Ptr::Weight(kv_b),
+        topk: Ptr::Buffer(topk.unwrap_or(q)),
+        positions: Ptr::Buffer(ins.positions),
+        token_seq: Ptr::Buffer(ins.token_seq),
+        page_table: Ptr::Buffer(ins.page_table),
+        cache: Ptr::KvCache(layer as u32),
+        rope: Ptr::RopeTable,
+        out: Ptr::Buffer(out),
+        scale,
+    };
+    Ok(vec![of_grid(&params, [(heads / hg) as u32, tokens as u32, 1], params.threads, args.launch_args())])
+}

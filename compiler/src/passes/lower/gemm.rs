@@ -1,0 +1,184 @@
+//! Tensor-core GEMMs for the `Op::Linear` steps the GEMV templates do not take (M > 32 in
+//! prefill, or decode batches whose activations do not fit in shared memory).
+//!
+//! Tiled forms: 64-row blocks (`grid.y`; 128 for BF16 prefill with BF16 activations) by
+//! 128-column blocks (`grid.x`: consecutive blocks share an activation tile in L2), K streamed
+//! through a ring of cp.async stages. Decode-sized M (<= 32) uses the split-K forms: small blocks
+//! whose 8 warps share out K and add their partial sums in warp order, so even a 256-row
+//! projection gets dozens of blocks. NVFP4 gets one launch per part (each part quantises the
+//! activations with its own `input_scale`), or one launch for SiLU-mul, whose blocks take gate
+//! rows and the matching up rows.
+
+use super::{fits, float_flag, numel, of_grid, Cx, Instance, THREADS};
+use crate::kernels::{LinearBf16GemmArgs, LinearBf16GemmParams, LinearNvfp4GemmArgs, LinearNvfp4GemmParams, Ptr};
+use kiln_runtime::plan::{Epilogue, LinearWeights, Op};
+
+/// Activation rows per block of both tiled GEMMs.
+pub const GEMM_BM: usize = 64;
+/// Weight rows (output columns; half of them gate and half up with SiLU-mul) per block.
+pub const GEMM_BN: usize = 128;
+/// Largest M of the split-K forms (every block reads, and NVFP4 quantises, all M activation rows).
+const SPLIT_MAX_M: usize = 32;
+/// Blocks the split-K forms aim for (their blocks narrow to get there).
+const SPLIT_MIN_BLOCKS: usize = 64;
+
+/// Shared memory a block may take so that two blocks share an SM (100 KiB per SM, 1 KiB of it
+/// reserved per block): one block loads or quantises while the other runs its mmas.
+const TWO_BLOCKS_SMEM: usize = 48 * 1024;
+/// k16 steps per stage of the tiled BF16 GEMM (64-byte rows: a 128-row block's stage is 20 KiB).
+const BF16_KB: u32 = 2;
+
+/// Stage buffers for stages of `stage` bytes: a ring of 3 or 4 within two blocks per SM if it
+/// fits, else as deep a ring as one block may have (at least double buffering).
+fn ring(stage: usize, smem_limit: u32) -> u32 {
+    let two = (TWO_BLOCKS_SMEM / stage).min(4);
+    let n = if two >= 3 { two } else { (smem_limit as usize / stage).min(4) };
+    n.max(2) as u32
+}
+
+/// NVFP4 stages: (64-wide K steps per stage, stage buffers). One k64 step per stage and as deep
+/// a ring as fits two blocks per SM, so several stages of weights are in flight (decode-sized M
+/// is latency-bound); no more buffers than K has stages.
+fn nvfp4_stages(k: usize, silu: bool) -> (u32, u32) {
+    let stage = (if silu { 2 } else { 1 }) * 3328 + 6656;
+    let nbuf = (TWO_BLOCKS_SMEM / stage).clamp(2, 4).min(k.div_ceil(64).max(2));
+    (1, nbuf as u32)
+}
+
+pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
+    let Op::Linear { input, ref weights, ref parts, k, epilogue, out } = *op else {
+        return Err("not a linear".into());
+    };
+    let p = cx.program;
+    let m = numel(p, input) / k.max(1);
+    let n: usize = parts.iter().map(|q| q.rows).sum();
+    if m == 0 || n == 0 || k == 0 {
+        return Err("an empty linear".into());
+    }
+    let x_bf16 = float_flag(p.buffer(input).dtype, "the input")?;
+    let out_bf16 = float_flag(p.buffer(out).dtype, "the output")?;
+    if m.div_ceil(GEMM_BM) > 65_535 {
+        return Err(format!("M = {m} needs too many row blocks"));
+    }
+    // The kernels index elements with 32-bit offsets (bytes with 64-bit ones).
+    if m.checked_mul(n.max(k)).is_none_or(|e| e > u32::MAX as usize) {
+        return Err(format!("M = {m} x {} elements overflow 32-bit indices", n.max(k)));
+    }
+    let u = |v: usize| v as u32;
+    match *weights {
+        LinearWeights::Bf16 { weight } => {
+            if epilogue != Epilogue::None {
+                return Err("the BF16 GEMM has no SiLU-mul epilogue".into());
+            }
+            if k % 8 != 0 {
+                return Err(format!("K = {k} is not a multiple of 8 (16-byte rows)"));
+            }
+            // Decode-sized M: split K over the warps of small blocks, enough of them to keep the
+            // weights streaming. Else 128-row blocks halve the weight traffic of long prefills;
+            // F32 activations (three BF16 planes) and short ones keep 64 rows.
+            let base = LinearBf16GemmParams { arch: cx.arch, m: u(m), n: u(n), k: u(k), split: 0, mt: 2, nt: 1, kb: BF16_KB, nbuf: 2, threads: THREADS, x_bf16, out_bf16 };
+            let (params, bm, bn) = if m <= SPLIT_MAX_M {
+                let nt = [4, 2].into_iter().find(|&t| n.div_ceil(8 * t) >= SPLIT_MIN_BLOCKS).unwrap_or(1);
+                let mt = m.div_ceil(16);
+                (LinearBf16GemmParams { split: 1, mt: u(mt), nt: u(nt), ..base }, 16 * mt, 8 * nt)
+            } else {
+                let mt = if x_bf16 == 1 && m > GEMM_BM { 4 } else { 2 };
+                let stage = LinearBf16GemmParams { mt, nbuf: 1, ..base }.dynamic_smem()? as usize;
+                (LinearBf16GemmParams { mt, nbuf: ring(stage, cx.smem_limit), ..base }, 32 * mt as usize, GEMM_BN)
+            };
+            fits(params.dynamic_smem()? as usize, cx.smem_limit, "the BF16 GEMM")?;
+            let grid = [u(n.div_ceil(bn)), u(m.div_ceil(bm)), 1];
+            let args = LinearBf16GemmArgs { x: Ptr::Buffer(input), w: Ptr::Weight(weight), out: Ptr::Buffer(out) };
+            Ok(vec![of_grid(&params, grid, THREADS, args.launch_args())])
+        }
+        LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => {
+            if cx.arch != 120 {
+                return Err("the NVFP4 GEMM needs sm_120a (block-scaled FP4 mma, cvt e2m1x2)".into());
+            }
+            if k % 16 != 0 || parts.is_empty() || parts.len() > 2 {
+                return Err(format!("K = {k} with {} parts is outside the NVFP4 GEMM template", parts.len()));
+            }
+            let silu = epilogue == Epilogue::SiluMul;
+            if silu && (parts.len() != 2 || parts[0].rows != parts[1].rows) {
+                return Err("SiLU-mul needs two equal parts".into());
+            }
+            let args = LinearNvfp4GemmArgs {
+                x: Ptr::Buffer(input),
+                w: Ptr::Weight(weight),
+                sf: Ptr::Weight(scale),
+                scale_2: Ptr::Weight(scale_2),
+                input_scale: Ptr::Weight(input_scale),
+                out: Ptr::Buffer(out),
+            }
+            .launch_args();
+            let base = LinearNvfp4GemmParams {
+                arch: cx.arch,
+                m: u(m),
+                k: u(k),
+                rows: 0,
+                row0: 0,
+                up0: 0,
+                part: 0,
+                silu: silu as u32,
+                ldo: u(if silu { parts[0].rows } else { n }),
+                col0: 0,
+                ks: nvfp4_stages(k, silu).0,
+                nbuf: nvfp4_stages(k, silu).1,
+                split: 0,
+                mt: 1,
+                nt: 2,
+                threads: THREADS,
+                x_bf16,
+                out_bf16,
+            };
+            // Decode-sized M: the split-K form, 16 or 32 rows by 8*NT weight rows per block, wide
+            // enough blocks to keep the activations' re-reads down, narrow enough for many blocks.
+            let (base, bm, bn) = if m <= SPLIT_MAX_M {
+                let per_block = |nt: usize| if silu { 4 * nt } else { 8 * nt };
+                let widest = parts.iter().map(|q| q.rows).max().unwrap_or(0);
+                let nt = if widest.div_ceil(per_block(4)) >= SPLIT_MIN_BLOCKS { 4 } else { 2 };
+                (LinearNvfp4GemmParams { split: 1, mt: u(m.div_ceil(16)), nt: u(nt), ks: 1, nbuf: 2, ..base }, 16 * m.div_ceil(16), per_block(nt))
+            } else {
+                (base, GEMM_BM, if silu { GEMM_BN / 2 } else { GEMM_BN })
+            };
+            let launch = |params: LinearNvfp4GemmParams| -> Result<Instance, String> {
+                fits(params.dynamic_smem()? as usize, cx.smem_limit, "the NVFP4 GEMM")?;
+                Ok(of_grid(&params, [u((params.rows as usize).div_ceil(bn)), u(m.div_ceil(bm)), 1], THREADS, args.clone()))
+            };
+            if silu {
+                let rows = u(parts[0].rows);
+                return Ok(vec![launch(LinearNvfp4GemmParams { rows, up0: rows, ..base })?]);
+            }
+            let mut row0 = 0;
+            let mut list = Vec::new();
+            for (i, q) in parts.iter().enumerate() {
+                list.push(launch(LinearNvfp4GemmParams { rows: u(q.rows), row0: u(row0), part: i as u32, col0: u(row0), ..base })?);
+                row0 += q.rows;
+            }
+            Ok(list)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{nvfp4_stages, ring};
+
+    #[test]
+    fn bf16_rings_fit_the_shared_memory() {
+        // 64-row BF16 stages (15 KiB): 3 buffers, two blocks per SM; 128-row (20 KiB): 4, one
+        // block; F32 activations (25 KiB): 3.
+        assert_eq!(ring(15_360, 101_376), 3);
+        assert_eq!(ring(20_480, 101_376), 4);
+        assert_eq!(ring(25_600, 101_376), 3);
+        assert_eq!(ring(60_000, 101_376), 2);
+    }
+
+    #[test]
+    fn nvfp4_stages_fit_two_blocks_per_sm() {
+        assert_eq!(nvfp4_stages(6144, false), (1, 4));
+        assert_eq!(nvfp4_stages(6144, true), (1, 3));
+        assert_eq!(nvfp4_stages(80, false), (1, 2));
+        assert_eq!(nvfp4_stages(16, true), (1, 2));
+    }
+}

@@ -1,0 +1,75 @@
+//! The DSA indexer top-k: `Op::IndexerTopK` (scores over the cached indexer keys, exact top-k with ties to the lower position).
+//!
+//! One block per token (`indexer_topk.ptx`): scores are bit-identical to the CPU's, so the
+//! selected positions are exact. The two scales are computed here exactly as the CPU does.
+
+use super::{float_flag, fits, numel, of, width, Cx, Instance, THREADS};
+use crate::kernels::{IndexerTopkArgs, IndexerTopkParams, Ptr};
+use kiln_runtime::plan::{DType, Op};
+
+/// Static shared memory of the template (radix histogram + 4 counters).
+const STATIC_SMEM: usize = 256 * 4 + 16;
+
+/// Candidate buffer entries for a top-k of `p2` (its power of two): room for the `topk` kept
+/// plus at least one tile of `THREADS` new candidates (and at least `p2` of them, so compactions
+/// stay rare); even, so the f32 arrays after the buffer stay 16-byte aligned.
+pub(crate) fn candidate_capacity(p2: usize) -> usize {
+    (p2 + p2.max(THREADS as usize)).next_multiple_of(2)
+}
+
+pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
+    let Op::IndexerTopK { q, head_weights, layer, topk, out } = *op else {
+        return Err("not an indexer top-k".into());
+    };
+    let (p, kv) = (cx.program, &cx.plan.memory.kv);
+    let heads = width(p, head_weights);
+    let tokens = numel(p, head_weights) / heads.max(1);
+    let dim = kv.index_dim;
+    if tokens == 0 || heads == 0 || topk == 0 || width(p, q) != heads * dim || numel(p, out) != tokens * topk {
+        return Err(format!("an indexer top-k over {tokens} tokens x {heads} heads x {dim} (top-{topk}) is outside the template"));
+    }
+    if kv.dtype != DType::BF16 || p.buffer(out).dtype != DType::I32 {
+        return Err("the indexer top-k template needs a BF16 KV cache and I32 output".into());
+    }
+    if heads > THREADS as usize {
+        return Err(format!("{heads} indexer heads exceed the {THREADS} threads that load the head weights"));
+    }
+    // 16-byte key loads: the key's offset, the row pitch and the key length are multiples of 8 values.
+    let (row, koff) = (kv.row_elems(), kv.latent_dim + kv.rope_dim);
+    if dim % 8 != 0 || row % 8 != 0 || koff % 8 != 0 || kv.rope_dim % 2 != 0 || kv.rope_dim > dim {
+        return Err(format!("indexer key dim {dim} (row {row}, offset {koff}, rope {}) is outside the template", kv.rope_dim));
+    }
+    let p2 = topk.next_power_of_two();
+    let cap = candidate_capacity(p2);
+    fits(cap * 8 + heads * dim * 4 + heads * 4 + STATIC_SMEM, cx.smem_limit, &format!("an indexer top-{topk} over {heads} x {dim}"))?;
+    let params = IndexerTopkParams {
+        arch: cx.arch,
+        heads: heads as u32,
+        dim: dim as u32,
+        rope: kv.rope_dim as u32,
+        row: row as u32,
+        koff: koff as u32,
+        page: kv.page_size as u32,
+        pps: kv.pages_per_seq as u32,
+        topk: topk as u32,
+        p2: p2 as u32,
+        cap: cap as u32,
+        threads: THREADS,
+        q_bf16: float_flag(p.buffer(q).dtype, "the indexer q")?,
+        w_bf16: float_flag(p.buffer(head_weights).dtype, "the head weights")?,
+    };
+    let inputs = &p.inputs;
+    let args = IndexerTopkArgs {
+        q: Ptr::Buffer(q),
+        w: Ptr::Buffer(head_weights),
+        positions: Ptr::Buffer(inputs.positions),
+        token_seq: Ptr::Buffer(inputs.token_seq),
+        page_table: Ptr::Buffer(inputs.page_table),
+        kv: Ptr::KvCache(layer as u32),
+        rope: Ptr::RopeTable,
+        out: Ptr::Buffer(out),
+        head_scale: (heads as f32).powf(-0.5),
+        dim_scale: (dim as f32).powf(-0.5),
+    };
+    Ok(vec![of(&params, tokens as u32, args.launch_args())])
+}

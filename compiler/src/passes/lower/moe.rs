@@ -1,0 +1,179 @@
+//! Routed experts: `Op::MoeExperts` as grouped NVFP4 gate/up (SiLU-mul) then down with the weighted combine.
+//!
+//! Two launches: `moe_gate_up` (grid: local experts x intermediate column tiles; a block whose
+//! expert got no token exits after scanning the routing) writes the BF16 SwiGLU output of every
+//! routed (token, choice) pair into `mid`; `moe_down` (grid: hidden column tiles) owns its
+//! columns of `acc` for every token and adds the experts' weighted outputs in ascending expert
+//! order, as the CPU does, then rounds into `out`. No float atomics: the result is deterministic.
+//! Decode programs use CUDA-core dot products over exact NVFP4 block products (each selected
+//! expert's weights read once); prefill programs use the FP4 tensor cores (mma m16n8k64 with
+//! e4m3 block scales) on groups of 32 tokens.
+
+use super::{float_flag, numel, of_grid, width, Cx, Instance, THREADS};
+use crate::kernels::{MoeDownArgs, MoeDownParams, MoeGateUpArgs, MoeGateUpParams, Ptr};
+use kiln_runtime::plan::{DType, LaunchArg, LinearWeights, Op};
+
+/// Columns per block of both launches (8 warps, 8 columns each: the tensor-core path gives every
+/// warp one n8 tile).
+pub const MOE_COLS: u32 = 64;
+const _: () = assert!(MOE_COLS == THREADS / 32 * 8);
+/// Most tokens quantised and accumulated together (accumulators are registers).
+pub const MOE_MAX_GROUP: usize = 32;
+/// Shared memory left for each template's static arrays (scan counts, group slots, scalars).
+const STATIC_SMEM: usize = 1024;
+
+/// Lanes per output column: enough for the `k / 16` blocks of a row (at most a warp), so short
+/// rows (the down projection of a TP slice) do not leave most of a warp idle.
+pub fn lanes(k: usize) -> u32 {
+    (k / 16).next_power_of_two().clamp(1, 32) as u32
+}
+
+/// Tokens per group of the tensor-core path (two m16 tiles).
+pub const MMA_GROUP: usize = 32;
+
+/// K chunk of the tensor-core path: the largest multiple of 64 dividing `k` up to 1024, so two
+/// parts of 32 quantised rows stay far inside the shared memory.
+pub fn mma_chunk(k: usize) -> usize {
+    (1..=16).rev().map(|c| c * 64).find(|&c| k % c == 0).unwrap_or(64)
+}
+
+/// Bytes of the u16 token list at the front of both kernels' dynamic shared memory.
+pub fn list_bytes(tokens: usize) -> usize {
+    (tokens * 2).div_ceil(16) * 16
+}
+
+/// Programs up to this many tokens (decode batches) keep each block within half the shared
+/// memory, so two blocks share an SM and more weight loads are in flight (decode is bound by
+/// memory bandwidth, and an expert rarely gets more than a few of these tokens).
+pub const MOE_DECODE_TOKENS: usize = 64;
+
+/// Largest token group whose quantised rows (`bytes_per_token` each) fit beside the token list.
+pub fn group_size(tokens: usize, bytes_per_token: usize, smem_limit: u32) -> Result<usize, String> {
+    let budget = if tokens <= MOE_DECODE_TOKENS { smem_limit as usize / 2 } else { smem_limit as usize };
+    let fit = |budget: usize| budget.saturating_sub(STATIC_SMEM + list_bytes(tokens)) / bytes_per_token.max(1);
+    // Below the budget, one token at a time if a row fits at all.
+    let g = match fit(budget) {
+        0 => fit(smem_limit as usize).min(1),
+        g => g,
+    };
+    let g = g.min(MOE_MAX_GROUP).min(tokens.max(1));
+    if g == 0 {
+        return Err(format!("{tokens} tokens leave no shared memory for one quantised row of {bytes_per_token} B"));
+    }
+    Ok(g)
+}
+
+pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
+    let Op::MoeExperts { input, ids, weights, ref gate_up, ref down, experts_local, expert_parallel, intermediate, hidden, out, mid, acc } = *op
+    else {
+        return Err("not a MoE step".into());
+    };
+    if cx.arch != 120 {
+        return Err("the NVFP4 MoE kernels need sm_120a (cvt e2m1x2)".into());
+    }
+    let (
+        &LinearWeights::Nvfp4 { weight: gw, scale: gs, scale_2: g2, input_scale: gi },
+        &LinearWeights::Nvfp4 { weight: dw, scale: ds, scale_2: d2, input_scale: di },
+    ) = (gate_up, down)
+    else {
+        return Err("BF16 experts have no template (MoeNvfp4 takes NVFP4 stacks)".into());
+    };
+    let p = cx.program;
+    let tokens = numel(p, input) / hidden.max(1);
+    let top_k = width(p, ids);
+    let (e, inter, h) = (experts_local, intermediate, hidden);
+    if tokens == 0 || top_k == 0 || e == 0 || inter == 0 || h % 16 != 0 || inter % 16 != 0 {
+        return Err(format!("{tokens} tokens, top-{top_k}, {e} experts, hidden {h}, intermediate {inter}: outside the template (multiples of 16)"));
+    }
+    if tokens > u16::MAX as usize {
+        return Err(format!("{tokens} tokens overflow the u16 token list"));
+    }
+    let seq = p.inputs.token_seq;
+    if p.buffer(ids).dtype != DType::I32 || p.buffer(seq).dtype != DType::I32 {
+        return Err("the MoE kernels need I32 expert ids and token_seq".into());
+    }
+    if p.buffer(mid).dtype != DType::BF16 || numel(p, mid) < tokens * top_k * inter {
+        return Err(format!("mid must be BF16 [{}, {inter}]", tokens * top_k));
+    }
+    if p.buffer(acc).dtype != DType::F32 || numel(p, acc) < tokens * h {
+        return Err(format!("acc must be F32 [{tokens}, {h}]"));
+    }
+    let first_expert = if expert_parallel { u32::try_from(e).map_err(|_| "expert count overflows u32")? } else { 0 };
+    if LaunchArg::per_rank(first_expert, cx.plan.ranks().saturating_sub(1)).is_none() {
+        return Err("the first expert id of the last rank overflows a u32".into());
+    }
+    let u = |v: usize| u32::try_from(v).map_err(|_| format!("{v} overflows u32"));
+
+    // Gate/up. Prefill programs (many tokens per expert) use the FP4 tensor cores: groups of 32
+    // tokens, K in chunks of KC, both parts' codes (rows padded by 16 B) and scale bytes in shared
+    // memory. Decode: G rows of K values per part as codes (K/2 B) and f32 scales (K/4 B).
+    let mma = tokens > MOE_DECODE_TOKENS && h % 64 == 0;
+    let kc = mma_chunk(h);
+    let g1 = if mma { MMA_GROUP } else { group_size(tokens, h * 3 / 2, cx.smem_limit)? };
+    let gu = MoeGateUpParams {
+        arch: cx.arch,
+        tokens: u(tokens)?,
+        topk: u(top_k)?,
+        experts: u(e)?,
+        inter: u(inter)?,
+        k: u(h)?,
+        g: g1 as u32,
+        cols: MOE_COLS,
+        lanes: lanes(h),
+        mma: mma as u32,
+        kc: kc as u32,
+        threads: THREADS,
+        x_bf16: float_flag(p.buffer(input).dtype, "the input")?,
+    };
+    let gu_args = MoeGateUpArgs {
+        x: Ptr::Buffer(input),
+        ids: Ptr::Buffer(ids),
+        token_seq: Ptr::Buffer(seq),
+        w: Ptr::Weight(gw),
+        sf: Ptr::Weight(gs),
+        scale_2: Ptr::Weight(g2),
+        input_scale: Ptr::Weight(gi),
+        mid: Ptr::Buffer(mid),
+        first_expert,
+    };
+    // Down: G rows of K = intermediate values (tensor cores for prefill, as gate/up).
+    let mma_dn = tokens > MOE_DECODE_TOKENS && inter % 64 == 0;
+    let kc_dn = mma_chunk(inter);
+    let g2n = if mma_dn { MMA_GROUP } else { group_size(tokens, inter * 3 / 4, cx.smem_limit)? };
+    let dn = MoeDownParams {
+        arch: cx.arch,
+        tokens: u(tokens)?,
+        topk: u(top_k)?,
+        experts: u(e)?,
+        inter: u(inter)?,
+        hidden: u(h)?,
+        g: g2n as u32,
+        cols: MOE_COLS,
+        lanes: lanes(inter),
+        mma: mma_dn as u32,
+        kc: kc_dn as u32,
+        threads: THREADS,
+        w_bf16: float_flag(p.buffer(weights).dtype, "the routing weights")?,
+        out_bf16: float_flag(p.buffer(out).dtype, "the output")?,
+    };
+    let dn_args = MoeDownArgs {
+        mid: Ptr::Buffer(mid),
+        ids: Ptr::Buffer(ids),
+        token_seq: Ptr::Buffer(seq),
+        weights: Ptr::Buffer(weights),
+        w: Ptr::Weight(dw),
+        sf: Ptr::Weight(ds),
+        scale_2: Ptr::Weight(d2),
+        input_scale: Ptr::Weight(di),
+        acc: Ptr::Buffer(acc),
+        out: Ptr::Buffer(out),
+        first_expert,
+    };
+    for smem in [gu.dynamic_smem()?, dn.dynamic_smem()?] {
+        super::fits(smem as usize + STATIC_SMEM, cx.smem_limit, "a MoE kernel")?;
+    }
+    Ok(vec![
+        of_grid(&gu, [u(e)?, u(inter)?.div_ceil(MOE_COLS), 1], THREADS, gu_args.launch_args()),
+        of_grid(&dn, [u(h)?.div_ceil(MOE_COLS), 1, 1], THREADS, dn_args.launch_args()),
+    ])
+}

@@ -1,0 +1,368 @@
+//! The tensor-core GEMMs (`Op::Linear` steps the GEMV does not take) against the CPU reference:
+//! NVFP4 W4A4 (one or two parts, SiLU-mul with equal or different input scales, zero and
+//! saturated blocks) and BF16, BF16 / F32 activations and outputs, tiled (prefill) and split-K
+//! (decode-sized M = 1, 3, 17, 32) forms, M, N and K not multiples of the tiles, run on the PTX
+//! emulator and compared under `kiln verify`'s tolerances; global bytes read stay within what
+//! the tiling implies (weights once per row block, activations once per column block). GLM-5
+//! tp8 shapes (M = 1 .. 8192) must assemble with ptxas for sm_120a without spills, within 255
+//! registers and the shared-memory limit.
+
+use kiln_compiler::kernels::{LinearBf16GemmParams, LinearNvfp4GemmParams};
+use kiln_compiler::passes::assemble::find_ptxas;
+use kiln_runtime::cpu::reference;
+use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
+use kiln_runtime::numerics::{bf16_to_f32, f32_to_bf16, quantize_nvfp4, round_bf16};
+use kiln_runtime::plan::{DType, Epilogue};
+use kiln_runtime::rng::Rng;
+use kiln_runtime::verify::{compare, Values};
+use std::process::Command;
+
+/// Tiled-form blocks (rows x output columns; SiLU-mul halves the columns).
+const NV_BM: usize = 64;
+const NV_BN: usize = 128;
+const BF_BN: usize = 128;
+
+fn randn(rng: &mut Rng, n: usize, scale: f64, bf16: bool) -> Vec<f32> {
+    (0..n).map(|_| (rng.normal() * scale) as f32).map(|v| if bf16 { round_bf16(v) } else { v }).collect()
+}
+
+fn bytes(v: &[f32], bf16: bool) -> Vec<u8> {
+    if bf16 {
+        v.iter().flat_map(|&f| f32_to_bf16(f).to_le_bytes()).collect()
+    } else {
+        v.iter().flat_map(|f| f.to_le_bytes()).collect()
+    }
+}
+
+fn floats(b: &[u8], bf16: bool) -> Vec<f32> {
+    if bf16 {
+        b.chunks_exact(2).map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect()
+    } else {
+        b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    }
+}
+
+fn check(what: &str, bf16: bool, emu: &[f32], cpu: &[f32]) {
+    assert!(cpu.iter().filter(|v| **v != 0.0).count() > cpu.len() / 2, "{what}: the reference is mostly zero");
+    let c = compare(if bf16 { DType::BF16 } else { DType::F32 }, &Values::F32(emu.to_vec()), &Values::F32(cpu.to_vec()));
+    eprintln!("{what}: max abs {:.3e}, max rel {:.3e} over {} values", c.max_abs, c.max_rel, c.elements);
+    assert!(c.ok(), "{what}: {} of {} values beyond tolerance (max abs {:e}, max rel {:e})", c.beyond + c.non_finite, c.elements, c.max_abs, c.max_rel);
+}
+
+/// The launches of an NVFP4 linear as lowering makes them: one per part, or one for SiLU-mul.
+/// The NVFP4 GEMM's form: tiled (64 x 128 blocks, stages of `ks` k64 steps in `nbuf` buffers)
+/// or split-K (16 * mt x 8 * nt blocks).
+#[derive(Clone, Copy, Debug)]
+struct NvForm {
+    split: u32,
+    ks: u32,
+    nbuf: u32,
+    mt: u32,
+    nt: u32,
+}
+
+fn nv_tiled(ks: u32, nbuf: u32) -> NvForm {
+    NvForm { split: 0, ks, nbuf, mt: 1, nt: 2 }
+}
+
+fn nv_split(mt: u32, nt: u32) -> NvForm {
+    NvForm { split: 1, ks: 1, nbuf: 2, mt, nt }
+}
+
+fn nvfp4_launches(m: usize, k: usize, parts: &[usize], silu: bool, x_bf16: bool, out_bf16: bool, f: NvForm) -> Vec<(LinearNvfp4GemmParams, [u32; 3])> {
+    let n: usize = parts.iter().sum();
+    let NvForm { split, ks, nbuf, mt, nt } = f;
+    let base = LinearNvfp4GemmParams { arch: 120, m: m as u32, k: k as u32, rows: 0, row0: 0, up0: 0, part: 0, silu: 0, ldo: n as u32, col0: 0, ks, nbuf, split, mt, nt, threads: 256, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32 };
+    let (bm, bn) = if split == 1 { (16 * mt as usize, 8 * nt as usize) } else { (NV_BM, NV_BN) };
+    let grid = |cols: usize, per: usize| [cols.div_ceil(per) as u32, m.div_ceil(bm) as u32, 1];
+    if silu {
+        let p = LinearNvfp4GemmParams { rows: parts[0] as u32, up0: parts[0] as u32, silu: 1, ldo: parts[0] as u32, ..base };
+        return vec![(p, grid(parts[0], bn / 2))];
+    }
+    let mut row0 = 0;
+    parts
+        .iter()
+        .enumerate()
+        .map(|(i, &rows)| {
+            let p = LinearNvfp4GemmParams { rows: rows as u32, row0: row0 as u32, part: i as u32, col0: row0 as u32, ..base };
+            row0 += rows;
+            (p, grid(rows, bn))
+        })
+        .collect()
+}
+
+struct Nvfp4Case {
+    m: usize,
+    parts: Vec<usize>,
+    k: usize,
+    silu: bool,
+    x_bf16: bool,
+    out_bf16: bool,
+    split_scales: bool,
+    form: NvForm,
+    /// Multiplies the input scales: < 1 saturates block scales at 448 and codes at 6.
+    scale_mul: f32,
+}
+
+/// Runs one case; returns the global bytes read over its launches.
+fn nvfp4_case(c: &Nvfp4Case, seed: u64) -> u64 {
+    let mut rng = Rng::new(seed);
+    let (m, k) = (c.m, c.k);
+    let n: usize = c.parts.iter().sum();
+    let mut x = randn(&mut rng, m * k, 1.5, c.x_bf16);
+    // A zero row (a padding token) and a zero block: block scale 0, codes 0.
+    if m > 2 {
+        x[..k].fill(0.0);
+        x[2 * k + 16..2 * k + 32].fill(0.0);
+    }
+    let (mut packed, mut scales, mut s2) = (Vec::new(), Vec::new(), Vec::new());
+    for &rows in &c.parts {
+        let w = randn(&mut rng, rows * k, 0.05, false);
+        let (p, s, g) = quantize_nvfp4(&w, rows, k);
+        packed.extend(p);
+        scales.extend(s);
+        s2.push(g);
+    }
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let input_scale: Vec<f32> = (0..c.parts.len()).map(|p| amax / (6.0 * 448.0) * c.scale_mul * if c.split_scales { 1.0 + p as f32 * 0.37 } else { 1.0 }).collect();
+    let cols = if c.silu { c.parts[0] } else { n };
+    let mut want = vec![0f32; m * cols];
+    let epilogue = if c.silu { Epilogue::SiluMul } else { Epilogue::None };
+    reference::linear_nvfp4(&x, m, &packed, &scales, k, &c.parts, &s2, &input_scale, epilogue, c.out_bf16, &mut want);
+
+    let mut g = GlobalMemory::new();
+    let bx = g.alloc_bytes("x", &bytes(&x, c.x_bf16));
+    let bw = g.alloc_bytes("w", &packed);
+    let bs = g.alloc_bytes("sf", &scales);
+    let b2 = g.alloc_f32("scale_2", &s2);
+    let bi = g.alloc_f32("input_scale", &input_scale);
+    let bo = g.alloc("out", m * cols * if c.out_bf16 { 2 } else { 4 });
+    let args: Vec<KernelArg> = [bx, bw, bs, b2, bi, bo].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+    let mut read = 0;
+    for (params, grid) in nvfp4_launches(m, k, &c.parts, c.silu, c.x_bf16, c.out_bf16, c.form) {
+        let module = Module::parse(&params.render().unwrap(), "linear_nvfp4_gemm.ptx").unwrap();
+        let s: LaunchStats = launch(&module, LinearNvfp4GemmParams::ENTRY, grid, [256, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+        read += s.global_bytes_read();
+    }
+    let got = floats(&g.read(bo), c.out_bf16);
+    check(&format!("nvfp4 gemm M={m} parts={:?} K={k} silu={} {:?}", c.parts, c.silu, c.form), c.out_bf16, &got, &want);
+    // Each row block streams its weight rows once and each column block its activation rows
+    // once: nothing else is read (beyond the per-part scalars).
+    let x_bytes = m * k * if c.x_bf16 { 2 } else { 4 };
+    let (bm, bn) = if c.form.split == 1 { (16 * c.form.mt as usize, 8 * c.form.nt as usize) } else { (NV_BM, NV_BN) };
+    let per = if c.silu { bn / 2 } else { bn };
+    let col_blocks: usize = if c.silu { c.parts[0].div_ceil(per) } else { c.parts.iter().map(|r| r.div_ceil(per)).sum() };
+    let bound = (x_bytes * col_blocks + (packed.len() + scales.len()) * m.div_ceil(bm)) as u64;
+    let compulsory = (x_bytes + packed.len() + scales.len()) as u64;
+    eprintln!("  {read} B read, {:.3} x compulsory, {:.3} x the tiled bound", read as f64 / compulsory as f64, read as f64 / bound as f64);
+    assert!(read <= bound + 64 * col_blocks as u64 * m.div_ceil(bm) as u64, "{read} B read > {bound} B");
+    read
+}
+
+#[test]
+fn nvfp4_gemm_matches_the_cpu_on_ragged_shapes() {
+    let cases = [
+        // one part, K = 80 (one 64-wide step plus a 16-wide tail), N below one tile
+        Nvfp4Case { m: 33, parts: vec![40], k: 80, silu: false, x_bf16: true, out_bf16: true, split_scales: false, form: nv_tiled(2, 2), scale_mul: 1.0 },
+        // gate/up SiLU-mul sharing one input scale, several stages, two column blocks
+        Nvfp4Case { m: 50, parts: vec![72, 72], k: 272, silu: true, x_bf16: true, out_bf16: true, split_scales: false, form: nv_tiled(2, 3), scale_mul: 1.0 },
+        // SiLU-mul with different input scales per part, f32 in and out, one 64-wide step per stage
+        Nvfp4Case { m: 33, parts: vec![40, 40], k: 144, silu: true, x_bf16: false, out_bf16: false, split_scales: true, form: nv_tiled(1, 2), scale_mul: 1.0 },
+        // two concatenated parts (two launches), M over one row tile, K = 1040, f32 out
+        Nvfp4Case { m: 100, parts: vec![40, 150], k: 1040, silu: false, x_bf16: true, out_bf16: false, split_scales: true, form: nv_tiled(4, 2), scale_mul: 1.0 },
+        // f32 activations, bf16 out, K a multiple of 64 (16-byte codes, 4-byte scale words)
+        Nvfp4Case { m: 50, parts: vec![130], k: 256, silu: false, x_bf16: false, out_bf16: true, split_scales: false, form: nv_tiled(2, 3), scale_mul: 1.0 },
+        // K a multiple of 32 but not 64 (16-byte codes, scale bytes), a partial last stage
+        Nvfp4Case { m: 33, parts: vec![72, 72], k: 160, silu: true, x_bf16: true, out_bf16: true, split_scales: true, form: nv_tiled(2, 2), scale_mul: 1.0 },
+        // K a multiple of 64 with one and four 64-wide steps per stage, 2 parts
+        Nvfp4Case { m: 70, parts: vec![136, 24], k: 192, silu: false, x_bf16: true, out_bf16: true, split_scales: true, form: nv_tiled(1, 4), scale_mul: 1.0 },
+        Nvfp4Case { m: 40, parts: vec![200], k: 640, silu: false, x_bf16: true, out_bf16: false, split_scales: false, form: nv_tiled(4, 2), scale_mul: 1.0 },
+        // input scales 8x too small: saturated block scales (448) and codes (6)
+        Nvfp4Case { m: 36, parts: vec![48, 48], k: 128, silu: true, x_bf16: false, out_bf16: true, split_scales: true, form: nv_tiled(2, 3), scale_mul: 0.125 },
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        nvfp4_case(c, 500 + i as u64);
+    }
+}
+
+#[test]
+fn split_k_nvfp4_gemm_matches_the_cpu_for_decode_sized_m() {
+    let c = |m, parts: Vec<usize>, k, silu, x_bf16, out_bf16, split_scales, form| Nvfp4Case { m, parts, k, silu, x_bf16, out_bf16, split_scales, form, scale_mul: 1.0 };
+    let cases = [
+        // M = 1, 3, 17: K with a 16-wide tail (K % 64 != 0), fewer k64 steps than warps
+        c(3, vec![40, 40], 80, true, true, true, false, nv_split(1, 2)),
+        c(1, vec![130], 272, false, true, false, false, nv_split(1, 4)),
+        c(17, vec![72, 72], 1040, true, false, true, true, nv_split(2, 4)),
+        // K a multiple of 64 (scale words), two parts, f32 activations
+        c(17, vec![24, 40], 640, false, false, false, true, nv_split(2, 2)),
+        c(32, vec![136, 136], 192, true, true, true, false, nv_split(2, 2)),
+    ];
+    for (i, case) in cases.iter().enumerate() {
+        nvfp4_case(case, 900 + i as u64);
+    }
+}
+
+#[test]
+fn gemms_match_the_cpu_at_glm5_depth() {
+    // GLM-5's K = 6144 (48 stages of 128), tp8 shared-expert gate/up sized rows, M over a tile;
+    // and a BF16 kv_a-like projection (K = 6144 -> 576 rows cut to 136 here).
+    nvfp4_case(&Nvfp4Case { m: 65, parts: vec![136, 136], k: 6144, silu: true, x_bf16: true, out_bf16: true, split_scales: false, form: nv_tiled(1, 3), scale_mul: 1.0 }, 700);
+    nvfp4_case(&Nvfp4Case { m: 40, parts: vec![130], k: 1536, silu: false, x_bf16: true, out_bf16: false, split_scales: false, form: nv_tiled(4, 2), scale_mul: 1.0 }, 701);
+    nvfp4_case(&Nvfp4Case { m: 24, parts: vec![40, 40], k: 6144, silu: true, x_bf16: true, out_bf16: true, split_scales: false, form: nv_split(2, 2), scale_mul: 1.0 }, 704);
+    bf16_case(65, 136, 6144, true, true, tiled(4, 2, 4), 702);
+    bf16_case(24, 136, 6144, true, true, split(2, 4), 703);
+}
+
+/// The BF16 GEMM's form: `split` 0 tiled (`mt` m16 tiles per warp, 32 * mt x 128 blocks, stages
+/// of `kb` k16 steps in `nbuf` buffers) or 1 split-K (16 * mt x 8 * nt blocks).
+#[derive(Clone, Copy)]
+struct Form {
+    split: u32,
+    mt: u32,
+    nt: u32,
+    kb: u32,
+    nbuf: u32,
+}
+
+fn tiled(mt: u32, kb: u32, nbuf: u32) -> Form {
+    Form { split: 0, mt, nt: 1, kb, nbuf }
+}
+
+fn split(mt: u32, nt: u32) -> Form {
+    Form { split: 1, mt, nt, kb: 2, nbuf: 2 }
+}
+
+fn bf16_case(m: usize, n: usize, k: usize, x_bf16: bool, out_bf16: bool, f: Form, seed: u64) -> u64 {
+    let Form { split, mt, nt, kb, nbuf } = f;
+    let (bm, bn) = if split == 1 { (16 * mt as usize, 8 * nt as usize) } else { (32 * mt as usize, BF_BN) };
+    let mut rng = Rng::new(seed);
+    let x = randn(&mut rng, m * k, 1.0, x_bf16);
+    let w = randn(&mut rng, n * k, 0.1, true);
+    let wb = bytes(&w, true);
+    let mut want = vec![0f32; m * n];
+    reference::linear_bf16(&x, m, &wb, k, n, out_bf16, &mut want);
+    let params = LinearBf16GemmParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, split, mt, nt, kb, nbuf, threads: 256, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32 };
+    let module = Module::parse(&params.render().unwrap(), "linear_bf16_gemm.ptx").unwrap();
+    let mut g = GlobalMemory::new();
+    let bx = g.alloc_bytes("x", &bytes(&x, x_bf16));
+    let bw = g.alloc_bytes("w", &wb);
+    let bo = g.alloc("out", m * n * if out_bf16 { 2 } else { 4 });
+    let args: Vec<KernelArg> = [bx, bw, bo].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+    let grid = [n.div_ceil(bn) as u32, m.div_ceil(bm) as u32, 1];
+    let s = launch(&module, LinearBf16GemmParams::ENTRY, grid, [256, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+    check(&format!("bf16 gemm M={m} N={n} K={k} x_bf16={x_bf16} out_bf16={out_bf16} split={split} mt={mt} nt={nt} kb={kb} nbuf={nbuf}"), out_bf16, &floats(&g.read(bo), out_bf16), &want);
+    let x_bytes = m * k * if x_bf16 { 2 } else { 4 };
+    let bound = (x_bytes * n.div_ceil(bn) + wb.len() * m.div_ceil(bm)) as u64;
+    let read = s.global_bytes_read();
+    eprintln!("  {read} B read, {:.3} x compulsory, {:.3} x the tiled bound", read as f64 / (x_bytes + wb.len()) as f64, read as f64 / bound as f64);
+    assert!(read <= bound, "{read} B read > {bound} B");
+    read
+}
+
+#[test]
+fn bf16_gemm_matches_the_cpu_on_ragged_shapes() {
+    // 64- and 128-row blocks, stages of 32 and 64 K in rings of 2 to 4 buffers, F32 activations
+    // split in 3 planes
+    let cases = [
+        (33, 40, 80, true, true, tiled(2, 2, 3)),
+        (50, 72, 272, true, false, tiled(4, 4, 2)),
+        (100, 150, 1040, false, true, tiled(2, 2, 3)),
+        (33, 130, 8, false, false, tiled(2, 4, 2)),
+        (50, 40, 200, false, false, tiled(2, 2, 2)),
+        (200, 136, 136, true, true, tiled(4, 2, 4)),
+        (130, 40, 72, true, false, tiled(4, 2, 4)),
+    ];
+    for (i, &(m, n, k, x_bf16, out_bf16, f)) in cases.iter().enumerate() {
+        bf16_case(m, n, k, x_bf16, out_bf16, f, 600 + i as u64);
+    }
+}
+
+#[test]
+fn split_k_bf16_gemm_matches_the_cpu_for_decode_sized_m() {
+    // (M, N, K, x BF16, out BF16, m16 tiles, n8 tiles): K = 16 j + 8 tails, fewer k16 steps than
+    // warps, N not a multiple of the block, M = 1, 3, 17, 32.
+    let cases = [
+        (1, 40, 264, true, true, 1, 4),
+        (3, 130, 72, true, false, 1, 2),
+        (17, 33, 1032, false, true, 2, 1),
+        (32, 72, 520, true, true, 2, 4),
+        (17, 24, 8, false, false, 2, 2),
+        (50, 40, 200, false, false, 4, 4),
+    ];
+    for (i, &(m, n, k, x_bf16, out_bf16, mt, nt)) in cases.iter().enumerate() {
+        bf16_case(m, n, k, x_bf16, out_bf16, split(mt, nt), 800 + i as u64);
+    }
+}
+
+/// `ptxas -arch=sm_120a -v` on one rendered kernel: (registers, spill bytes, static smem).
+fn assemble(ptxas: &std::path::Path, name: &str, ptx: &str) -> (u32, u32, u32) {
+    let dir = std::env::temp_dir().join(format!("kiln-gemm-ptxas-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join(format!("{name}.ptx"));
+    std::fs::write(&src, ptx).unwrap();
+    let o = Command::new(ptxas).arg("-arch=sm_120a").arg("-v").arg(&src).arg("-o").arg(dir.join(format!("{name}.cubin"))).output().unwrap();
+    let log = String::from_utf8_lossy(&o.stderr).into_owned() + &String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "ptxas rejected {name}:\n{log}");
+    let num = |after: &str, before: &str| -> u32 {
+        log.lines().find_map(|l| l.find(before).map(|i| l[..i].trim_end().rsplit(after).next().unwrap().trim().parse().unwrap())).unwrap_or(0)
+    };
+    let regs = num("Used", "registers");
+    let spills = num(",", "bytes spill stores") + num(",", "bytes spill loads");
+    let smem = log.lines().find_map(|l| l.find("bytes smem").map(|i| l[..i].trim_end().rsplit(' ').next().unwrap().parse().unwrap())).unwrap_or(0);
+    (regs, spills, smem)
+}
+
+#[test]
+fn glm5_prefill_shapes_assemble_without_spills() {
+    let Some(ptxas) = find_ptxas() else {
+        assert!(std::env::var_os("CI").is_none(), "CI must provide ptxas (scripts/test.sh installs the wheel)");
+        eprintln!("note: ptxas not found (set KILN_PTXAS or `pip install nvidia-cuda-nvcc-cu12==12.9.86`); skipping the sm_120a assembly check of the GEMMs");
+        return;
+    };
+    let mut kernels: Vec<(String, String, u32)> = Vec::new();
+    // NVFP4 tp8: dense MLP / shared expert gate+up (K 6144 -> 2 x 1536 or 2 x 256), down projections
+    // (K 1536 or 256 -> 6144), q_a / o_proj sized single and two-part linears; tiny shapes too.
+    for m in [1usize, 16, 32, 33, 2048, 8192] {
+        for &(k, parts, silu) in &[(6144, &[1536, 1536][..], true), (6144, &[256, 256][..], true), (1536, &[6144][..], false), (256, &[6144][..], false), (6144, &[2048][..], false), (2048, &[6144][..], false), (6144, &[1536, 576][..], false), (80, &[40, 150][..], false), (272, &[72, 72][..], true)] {
+            for (x_bf16, out_bf16) in [(true, true), (false, false)] {
+                let form = if m <= 32 { nv_split(m.div_ceil(16) as u32, if silu { 2 } else { 4 }) } else if silu { nv_tiled(1, 3) } else { nv_tiled(1, 4) };
+                for (p, _) in nvfp4_launches(m, k, parts, silu, x_bf16, out_bf16, form) {
+                    let name = format!("nvfp4_m{m}_k{k}_rows{}_silu{}_x{}_o{}_{form:?}", p.rows, p.silu, p.x_bf16, p.out_bf16).replace([' ', ',', '{', '}', ':'], "");
+                    kernels.push((name, p.render().unwrap(), p.dynamic_smem().unwrap()));
+                }
+            }
+        }
+    }
+    // BF16: q_a (6144 -> 2048), o_proj (2048 -> 6144), kv_a (6144 -> 576), lm_head (6144 -> 154880 / 8).
+    for m in [1u32, 16, 32, 33, 64, 2048, 8192] {
+        for &(n, k) in &[(2048u32, 6144u32), (6144, 2048), (576, 6144), (19360, 6144), (40, 80), (150, 1040)] {
+            for (x_bf16, out_bf16) in [(1, 1), (1, 0), (0, 0)] {
+                // as lowering picks them
+                let f = if m <= 32 {
+                    split(m.div_ceil(16), if n >= 2048 { 4 } else if n >= 1024 { 2 } else { 1 })
+                } else if x_bf16 == 1 && m > 64 {
+                    tiled(4, 2, 4)
+                } else {
+                    tiled(2, 2, 3)
+                };
+                let p = LinearBf16GemmParams { arch: 120, m, n, k, split: f.split, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16, out_bf16 };
+                kernels.push((format!("bf16_m{m}_n{n}_k{k}_x{x_bf16}_o{out_bf16}_s{}_mt{}_nt{}_kb{}_nbuf{}", f.split, f.mt, f.nt, f.kb, f.nbuf), p.render().unwrap(), p.dynamic_smem().unwrap()));
+            }
+        }
+    }
+    // (instances, fewest and most registers, least and most shared memory) per form
+    let mut forms: std::collections::BTreeMap<String, (usize, u32, u32, u32, u32)> = Default::default();
+    for (name, ptx, dynamic) in &kernels {
+        let (regs, spills, smem) = assemble(&ptxas, name, ptx);
+        assert_eq!(spills, 0, "{name} spills");
+        assert!(regs <= 255, "{name}: {regs} registers");
+        assert!(smem + dynamic <= 101_376, "{name}: {smem} + {dynamic} B shared memory");
+        let split = name.contains("split1") || name.contains("_s1_");
+        let form = format!("{} {}", name.split('_').next().unwrap(), if split { "split-K" } else { "tiled" });
+        let e = forms.entry(form).or_insert((0, u32::MAX, 0, u32::MAX, 0));
+        *e = (e.0 + 1, e.1.min(regs), e.2.max(regs), e.3.min(smem + dynamic), e.4.max(smem + dynamic));
+    }
+    for (form, (n, r0, r1, s0, s1)) in forms {
+        eprintln!("{form}: {n} instances assemble for sm_120a, 0 spills, {r0}..{r1} registers, {s0}..{s1} B shared memory");
+    }
+}

@@ -1,0 +1,487 @@
+//! The DSA indexer top-k template (`indexer_topk.ptx`) against the CPU reference
+//! (`reference::indexer_topk`): the selected positions must be identical (the kernel's scores
+//! are bit-identical to the CPU's), on ragged batches with pages out of order, padding tokens,
+//! unassigned pages, sequences shorter than / equal to / longer than top-k, forced ties, and
+//! top-k sizes that make the kernel compact its candidate buffer many times. The GLM-5 tp8
+//! instance (decode and 8192-token prefill use the same kernel; only the grid differs) must
+//! assemble with ptxas for sm_120a without spills, within 255 registers and 101376 B of shared
+//! memory.
+
+use kiln_compiler::kernels::IndexerTopkParams;
+use kiln_compiler::passes::lower::{SMEM_LIMIT, THREADS};
+use kiln_runtime::cpu::reference::{self, Cache, TokenInputs};
+use kiln_runtime::cpu::rope::Rope;
+use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
+use kiln_runtime::numerics::{f32_to_bf16, round_bf16};
+use kiln_runtime::plan::{DType, KvLayout};
+use kiln_runtime::rng::Rng;
+use std::process::Command;
+
+const LATENT: usize = 64;
+const THETA: f64 = 10000.0;
+
+/// Candidate buffer entries, as the lowering (`passes/lower/indexer.rs`) sizes it.
+fn capacity(p2: usize) -> usize {
+    (p2 + p2.max(THREADS as usize)).next_multiple_of(2)
+}
+
+fn params(heads: usize, dim: usize, rope: usize, page: usize, pps: usize, topk: usize, q_bf16: bool, w_bf16: bool) -> IndexerTopkParams {
+    let p2 = topk.next_power_of_two();
+    IndexerTopkParams {
+        arch: 120,
+        heads: heads as u32,
+        dim: dim as u32,
+        rope: rope as u32,
+        row: (LATENT + rope + dim) as u32,
+        koff: (LATENT + rope) as u32,
+        page: page as u32,
+        pps: pps as u32,
+        topk: topk as u32,
+        p2: p2 as u32,
+        cap: capacity(p2) as u32,
+        threads: THREADS,
+        q_bf16: q_bf16 as u32,
+        w_bf16: w_bf16 as u32,
+    }
+}
+
+struct Case {
+    heads: usize,
+    dim: usize,
+    rope: usize,
+    page: usize,
+    pages: usize,
+    topk: usize,
+    /// Page table rows (`pps` entries each, -1: unassigned).
+    table: Vec<Vec<i32>>,
+    /// (sequence row or -1, position) per token.
+    tokens: Vec<(i32, i32)>,
+    q_bf16: bool,
+    w_bf16: bool,
+    /// Copies of one key to other positions of sequence 0 (equal scores): (from, to...).
+    ties: Vec<(usize, Vec<usize>)>,
+    /// Tokens whose q is all zero (every score 0: the first top-k positions win).
+    zero_q: Vec<usize>,
+    /// Near ties decided by rounding alone: sequence 0's keys are a few base keys, each stored
+    /// at 6 positions with its 3 non-rope chunks of 8 in every order; every q is 0 on the rope
+    /// dims and depends only on d % 8 elsewhere, so the 6 dot products sum the same products in
+    /// different orders and their scores differ only in the last bits. Needs DIM - ROPE = 24.
+    near_ties: bool,
+}
+
+fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|&f| f32_to_bf16(f).to_le_bytes()).collect()
+}
+
+/// Runs one case on the emulator and the CPU, asserts identical outputs; returns the launch
+/// stats and the indexer-key bytes the scored tokens must read at least.
+fn run(c: &Case, seed: u64) -> (LaunchStats, u64) {
+    let mut rng = Rng::new(seed);
+    let pps = c.table[0].len();
+    let n_tok = c.tokens.len();
+    let max_context = c.tokens.iter().map(|t| t.1 as usize + 1).max().unwrap().max(pps * c.page);
+    let layout = KvLayout {
+        dtype: DType::BF16,
+        layers: 1,
+        latent_dim: LATENT,
+        rope_dim: c.rope,
+        index_dim: c.dim,
+        page_size: c.page,
+        pages: c.pages,
+        bytes_per_token: 0,
+        max_seqs: c.table.len(),
+        pages_per_seq: pps,
+        max_context,
+    };
+    let row = layout.row_elems();
+    let slot_of = |seq: usize, j: usize| c.table[seq][j / c.page] as usize * c.page + j % c.page;
+    // Every slot random (latent and rope key too, so a wrong offset shows), keys BF16.
+    let mut kv: Vec<f32> = (0..c.pages * c.page * row).map(|_| round_bf16(rng.normal() as f32)).collect();
+    for (from, tos) in &c.ties {
+        // A large key (likely among the best) copied to later positions: equal scores.
+        let src = slot_of(0, *from) * row + LATENT + c.rope;
+        let key: Vec<f32> = kv[src..src + c.dim].iter().map(|v| round_bf16(v * 4.0)).collect();
+        kv[src..src + c.dim].copy_from_slice(&key);
+        for &to in tos {
+            let dst = slot_of(0, to) * row + LATENT + c.rope;
+            kv[dst..dst + c.dim].copy_from_slice(&key);
+        }
+    }
+    const PERMS: [[usize; 3]; 6] = [[0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]];
+    if c.near_ties {
+        assert_eq!((c.dim - c.rope, c.rope % 8), (24, 0));
+        let base: Vec<Vec<f32>> = (0..5).map(|_| (0..c.dim).map(|_| round_bf16(rng.normal() as f32)).collect()).collect();
+        for j in 0..pps * c.page {
+            if c.table[0][j / c.page] < 0 {
+                continue;
+            }
+            let (b, perm) = (&base[(j / 6) % base.len()], PERMS[j % 6]);
+            let at = slot_of(0, j) * row + LATENT + c.rope;
+            kv[at..at + c.rope].copy_from_slice(&b[..c.rope]);
+            for (m, &from) in perm.iter().enumerate() {
+                kv[at + c.rope + 8 * m..at + c.rope + 8 * m + 8].copy_from_slice(&b[c.rope + 8 * from..c.rope + 8 * from + 8]);
+            }
+        }
+    }
+    let kv_bytes = bf16_bytes(&kv);
+    let mut cache = Cache::new(&layout);
+    cache.set_layer_bytes(0, &kv_bytes);
+
+    let hd = c.heads * c.dim;
+    let mut q: Vec<f32> = (0..n_tok * hd).map(|_| rng.normal() as f32).map(|v| if c.q_bf16 { round_bf16(v) } else { v }).collect();
+    for &t in &c.zero_q {
+        q[t * hd..(t + 1) * hd].fill(0.0);
+    }
+    if c.near_ties {
+        for qh in q.chunks_exact_mut(c.dim) {
+            qh[..c.rope].fill(0.0);
+            for d in c.rope + 8..c.dim {
+                qh[d] = qh[d - 8];
+            }
+        }
+    }
+    let w: Vec<f32> = (0..n_tok * c.heads).map(|_| (rng.normal() * 0.5) as f32).map(|v| if c.w_bf16 { round_bf16(v) } else { v }).collect();
+    let rope = Rope::new(c.rope, THETA);
+    let table = rope.table(max_context);
+    let positions: Vec<i32> = c.tokens.iter().map(|t| t.1).collect();
+    let token_seq: Vec<i32> = c.tokens.iter().map(|t| t.0).collect();
+    let slots = vec![-1i32; n_tok];
+    let page_table: Vec<i32> = c.table.iter().flatten().copied().collect();
+    let inputs = TokenInputs { positions: &positions, token_seq: &token_seq, slots: &slots, page_table: &page_table, pages_per_seq: pps };
+    let mut want = vec![0i32; n_tok * c.topk];
+    reference::indexer_topk(&q, &w, c.heads, &inputs, &cache, 0, &rope, c.topk, &mut want);
+
+    let p = params(c.heads, c.dim, c.rope, c.page, pps, c.topk, c.q_bf16, c.w_bf16);
+    let smem = p.dynamic_smem().unwrap();
+    assert!(smem as usize + 1040 <= SMEM_LIMIT as usize);
+    let module = Module::parse(&p.render().unwrap(), "indexer_topk.ptx").unwrap();
+    let mut g = GlobalMemory::new();
+    let words = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let bq = if c.q_bf16 { g.alloc_bytes("q", &bf16_bytes(&q)) } else { g.alloc_f32("q", &q) };
+    let bw = if c.w_bf16 { g.alloc_bytes("w", &bf16_bytes(&w)) } else { g.alloc_f32("w", &w) };
+    let bp = g.alloc_bytes("positions", &words(&positions));
+    let bs = g.alloc_bytes("token_seq", &words(&token_seq));
+    let bt = g.alloc_bytes("page_table", &words(&page_table));
+    // The cache the CPU holds, in its GPU byte layout.
+    let bk = g.alloc_bytes("kv", &cache.layer_bytes(0));
+    let br = g.alloc_f32("rope", &table);
+    let bo = g.alloc("out", n_tok * c.topk * 4);
+    let mut args: Vec<KernelArg> = [bq, bw, bp, bs, bt, bk, br, bo].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+    args.push(KernelArg::F32((c.heads as f32).powf(-0.5)));
+    args.push(KernelArg::F32((c.dim as f32).powf(-0.5)));
+    let stats = launch(&module, IndexerTopkParams::ENTRY, [n_tok as u32, 1, 1], [THREADS, 1, 1], smem, &args, &mut g).unwrap();
+    let got: Vec<i32> = g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    for t in 0..n_tok {
+        let (a, b) = (&got[t * c.topk..(t + 1) * c.topk], &want[t * c.topk..(t + 1) * c.topk]);
+        assert_eq!(a, b, "token {t} (seq {}, position {}), top-{}: emulator vs CPU", c.tokens[t].0, c.tokens[t].1, c.topk);
+    }
+    // Scored rows where at least two positions of one tie group were selected (the tie rule at work).
+    let tie_rows = (0..n_tok)
+        .filter(|&t| c.tokens[t].0 == 0 && c.tokens[t].1 as usize >= c.topk)
+        .filter(|&t| {
+            let row = &want[t * c.topk..(t + 1) * c.topk];
+            c.ties.iter().any(|(from, tos)| std::iter::once(from).chain(tos).filter(|&&j| row.contains(&(j as i32))).count() >= 2)
+        })
+        .count();
+    assert!(c.ties.is_empty() || tie_rows > 0, "no row selected two tied positions: the tie case tests nothing");
+    let scored: u64 = c.tokens.iter().filter(|t| t.0 >= 0 && t.1 as usize + 1 > c.topk).map(|t| (t.1 as u64 + 1) * c.dim as u64 * 2).sum();
+    eprintln!(
+        "indexer top-{} heads={} dim={} tokens={n_tok}: identical ({} selections, {tie_rows} rows with ties, {} B read, {scored} B of keys scored, {:.2?})",
+        c.topk,
+        c.heads,
+        c.dim,
+        want.iter().filter(|&&v| v >= 0).count(),
+        stats.global_bytes_read(),
+        stats.elapsed
+    );
+    (stats, scored)
+}
+
+/// Page table rows: sequence s owns pages in a shuffled order (disjoint across sequences).
+fn shuffled_tables(rng: &mut Rng, seqs: usize, pps: usize, pages: usize) -> Vec<Vec<i32>> {
+    let mut ids: Vec<i32> = (0..pages as i32).collect();
+    for i in (1..ids.len()).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        ids.swap(i, j);
+    }
+    (0..seqs).map(|s| ids[s * pps..(s + 1) * pps].to_vec()).collect()
+}
+
+#[test]
+fn tiny_topk_matches_the_cpu_on_a_ragged_batch() {
+    // The tiny model: 8 heads x 32, rope 16, top-16; pages of 16 tokens, 3 sequences.
+    let (page, pps) = (16, 64);
+    let mut rng = Rng::new(11);
+    let table = shuffled_tables(&mut rng, 3, pps, 3 * pps);
+    // n = 5, 16 (= top-k), 17, 300, 1024 (the longest), padding, ties, an all-zero q
+    let tokens = vec![
+        (0, 4),
+        (0, 15),
+        (0, 16),
+        (0, 299),
+        (-1, 7),
+        (1, 1023),
+        (1, 100),
+        (2, 17),
+        (2, 40),
+        (-1, 500),
+        (0, 63),
+        (1, 64),
+        (2, 255),
+        (2, 256),
+        (0, 200),
+        (1, 0),
+        (0, 299),
+    ];
+    let c = Case {
+        heads: 8,
+        dim: 32,
+        rope: 16,
+        page,
+        pages: 3 * pps,
+        topk: 16,
+        table,
+        tokens,
+        q_bf16: true,
+        w_bf16: false,
+        // Position 3's key at 9 other places of sequence 0, across pages: equal scores, the
+        // lower positions must come first.
+        ties: vec![(3, vec![5, 17, 18, 40, 63, 64, 150, 151, 298])],
+        zero_q: vec![16],
+        near_ties: false,
+    };
+    run(&c, 1);
+}
+
+#[test]
+fn token_counts_1_and_3_and_f32_q_bf16_weights() {
+    let (page, pps) = (16, 48);
+    let mut rng = Rng::new(12);
+    let table = shuffled_tables(&mut rng, 2, pps, 2 * pps);
+    for (i, tokens) in [vec![(1, 700)], vec![(0, 20), (-1, 3), (1, 400)]].into_iter().enumerate() {
+        let c = Case { heads: 8, dim: 32, rope: 16, page, pages: 2 * pps, topk: 16, table: table.clone(), tokens, q_bf16: false, w_bf16: true, ties: vec![], zero_q: vec![], near_ties: false };
+        run(&c, 20 + i as u64);
+    }
+}
+
+#[test]
+fn larger_topk_compacts_the_candidates_many_times() {
+    // top-40 (P2 = 64, capacity 320: a compaction about every tile) and top-300 (P2 = 512),
+    // sequences of 1000 positions in 64-token pages; positions with increasing scores would
+    // stress the threshold most, random ones the radix select.
+    let (page, pps) = (64, 16);
+    let mut rng = Rng::new(13);
+    let table = shuffled_tables(&mut rng, 2, pps, 2 * pps);
+    for (i, topk) in [40usize, 300].into_iter().enumerate() {
+        // token 6: all scores 0, so the first top-k positions (ties all the way down)
+        let tokens = vec![(0, 999), (1, 650), (0, 39), (1, 40), (0, 299), (1, 300), (0, 700)];
+        let ties = vec![(5, vec![11, 500, 998, 999, 64, 128])];
+        let c = Case { heads: 2, dim: 16, rope: 8, page, pages: 2 * pps, topk, table: table.clone(), tokens, q_bf16: true, w_bf16: false, ties, zero_q: vec![6], near_ties: false };
+        run(&c, 30 + i as u64);
+    }
+}
+
+#[test]
+fn near_ties_follow_the_cpu_rounding_exactly() {
+    // Scores that differ only by the summation order's rounding (and exact ties between
+    // permutations that happen to round alike): only the CPU's exact order selects the same
+    // positions in the same order.
+    let (page, pps) = (16, 32);
+    let mut rng = Rng::new(16);
+    let table = shuffled_tables(&mut rng, 1, pps, pps);
+    let tokens = vec![(0, 511), (0, 300), (0, 143), (0, 60), (0, 29)];
+    let c = Case { heads: 8, dim: 32, rope: 8, page, pages: pps, topk: 16, table, tokens, q_bf16: false, w_bf16: false, ties: vec![], zero_q: vec![], near_ties: true };
+    run(&c, 70);
+}
+
+#[test]
+fn top_1_and_top_3() {
+    // P2 = 1 (no sorting network, odd P2) and P2 = 4 with TOPK < P2 (padding keys in the sort).
+    let (page, pps) = (16, 16);
+    let mut rng = Rng::new(17);
+    let table = shuffled_tables(&mut rng, 2, pps, 2 * pps);
+    for (i, topk) in [1usize, 3].into_iter().enumerate() {
+        let tokens = vec![(0, 0), (1, 2), (0, 3), (1, 255), (-1, 9), (0, 100)];
+        let c = Case { heads: 8, dim: 32, rope: 16, page, pages: 2 * pps, topk, table: table.clone(), tokens, q_bf16: true, w_bf16: false, ties: vec![], zero_q: vec![5], near_ties: false };
+        run(&c, 90 + i as u64);
+    }
+}
+
+#[test]
+fn unassigned_pages_are_skipped() {
+    // Sequence 0 has pages 1 and 3 unassigned: its positions 16..32 and 48..64 are not scored,
+    // so a token at position 40 has 25 candidates for top-16, and one at 60 has 29; sequence 1
+    // has only 2 pages assigned (a token at 40 > top-k with 32 candidates, ...).
+    let page = 16;
+    let table = vec![vec![5, -1, 2, -1, 0], vec![1, 4, -1, -1, -1]];
+    let tokens = vec![(0, 40), (0, 60), (0, 20), (1, 40), (1, 79), (1, 31)];
+    let c = Case { heads: 8, dim: 32, rope: 16, page, pages: 6, topk: 16, table, tokens, q_bf16: true, w_bf16: false, ties: vec![], zero_q: vec![], near_ties: false };
+    run(&c, 40);
+}
+
+#[test]
+fn glm5_topk_2048_selects_from_thousands_of_positions() {
+    // GLM-5's top-2048 (P2 = 2048, capacity 4096) over 5000 positions, with a small score
+    // (1 head x 8) so the emulator stays quick; n = 2048 (no scoring) and 2049 (one dropped).
+    let (page, pps) = (64, 80);
+    let mut rng = Rng::new(14);
+    let table = shuffled_tables(&mut rng, 1, pps, pps);
+    let tokens = vec![(0, 4999), (0, 2047), (0, 2048)];
+    let c = Case { heads: 1, dim: 8, rope: 8, page, pages: pps, topk: 2048, table, tokens, q_bf16: true, w_bf16: false, ties: vec![(100, vec![101, 4000, 4999])], zero_q: vec![], near_ties: false };
+    run(&c, 50);
+}
+
+#[test]
+fn decode_reads_each_key_about_once() {
+    // One decode token over 1000 positions: the kernel reads the keys once (plus q, the
+    // page table and the RoPE row).
+    let (page, pps) = (16, 64);
+    let mut rng = Rng::new(15);
+    let table = shuffled_tables(&mut rng, 1, pps, pps);
+    let c = Case { heads: 8, dim: 32, rope: 16, page, pages: pps, topk: 16, table, tokens: vec![(0, 999)], q_bf16: true, w_bf16: false, ties: vec![], zero_q: vec![], near_ties: false };
+    let (stats, keys) = run(&c, 60);
+    let ratio = stats.global_bytes_read() as f64 / keys as f64;
+    eprintln!("decode: {} B read / {keys} B of keys = {ratio:.3}", stats.global_bytes_read());
+    assert!((1.0..=1.25).contains(&ratio), "byte ratio {ratio}");
+}
+
+/// `ptxas -arch=sm_120a -v` of one rendered instance: (registers, spill bytes, static smem).
+fn ptxas_resources(ptxas: &std::path::Path, name: &str, ptx: &str) -> (u32, u32, u32) {
+    let dir = std::env::temp_dir().join(format!("kiln-indexer-ptxas-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join(format!("{name}.ptx"));
+    std::fs::write(&src, ptx).unwrap();
+    let o = Command::new(ptxas).args(["-arch=sm_120a", "-v", "--warn-on-spills"]).arg(&src).arg("-o").arg(dir.join(format!("{name}.cubin"))).output().unwrap();
+    let log = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "ptxas rejected {name}:\n{log}");
+    let r = kiln_compiler::passes::assemble::parse_ptxas_log(&log, kiln_runtime::plan::PtxArch::Sm120a).expect("ptxas -v output");
+    let _ = std::fs::remove_dir_all(&dir);
+    (r.registers, r.spill_store_bytes + r.spill_load_bytes, r.smem_static_bytes)
+}
+
+#[test]
+fn tiny_and_glm5_instances_assemble_for_sm_120a() {
+    let Some(ptxas) = kiln_compiler::passes::assemble::find_ptxas() else {
+        assert!(std::env::var_os("CI").is_none(), "CI must provide ptxas (scripts/test.sh installs the wheel)");
+        eprintln!("note: ptxas not found (set KILN_PTXAS or `pip install nvidia-cuda-nvcc-cu12==12.9.86`); skipping the indexer top-k assembly check");
+        return;
+    };
+    // GLM-5 tp8: 32 heads x 128, rope 64, latent 512, 64-token pages over 202752 positions,
+    // top-2048 (decode batches and 8192-token prefill chunks launch this same kernel).
+    let glm5 = |q_bf16| {
+        let mut p = params(32, 128, 64, 64, 202_752usize.div_ceil(64), 2048, q_bf16, false);
+        p.row = 512 + 64 + 128;
+        p.koff = 512 + 64;
+        p
+    };
+    for (name, p) in [("tiny", params(8, 32, 16, 64, 16, 16, true, false)), ("tiny_f32", params(8, 32, 16, 64, 16, 16, false, true)), ("glm5_tp8", glm5(true)), ("glm5_tp8_f32q", glm5(false))] {
+        let (regs, spills, smem_static) = ptxas_resources(&ptxas, name, &p.render().unwrap());
+        let dynamic = p.dynamic_smem().unwrap();
+        eprintln!("indexer_topk {name}: {regs} registers, {spills} B spills, {smem_static} B static + {dynamic} B dynamic shared memory");
+        assert_eq!(spills, 0, "{name} spills");
+        assert!(regs <= 255, "{name}: {regs} registers");
+        assert!(smem_static + dynamic <= SMEM_LIMIT, "{name}: {smem_static} + {dynamic} B shared memory");
+    }
+}
+
+/// The lowering, end to end: the tiny model compiled for sm_120a; for a decode and a prefill
+/// program, the first indexer top-k step's launch (its kernel, grid, block, shared memory and
+/// arguments exactly as planned) runs on the emulator over random inputs and matches the CPU.
+#[test]
+fn the_planned_launches_of_the_tiny_model_match_the_cpu() {
+    use kiln_runtime::plan::{read_plan, KernelFamily, LaunchArg, Op, ProgramKind};
+    let dir = std::env::temp_dir().join(format!("kiln-indexer-plan-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let kiln = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).output().expect("run kiln");
+        assert!(o.status.success(), "kiln {args:?}:\n{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let (ckpt, art) = (dir.join("ckpt"), dir.join("plan"));
+    kiln(&["synth", "tiny", "-o", ckpt.to_str().unwrap()]);
+    kiln(&["compile", ckpt.to_str().unwrap(), "--target", "sm_120a", "--no-ptxas", "-o", art.to_str().unwrap()]);
+    let plan = read_plan(&art).unwrap();
+    // (a step without a kernel fails the compile)
+    assert!(plan.programs.iter().flat_map(|p| &p.steps).filter(|s| s.kernel == KernelFamily::IndexerTopK).all(|s| s.launches.len() == 1));
+    let rope = Rope::new(plan.model.qk_rope_head_dim, plan.model.rope_theta);
+    let mut checked = 0;
+    for (pi, program) in plan.programs.iter().enumerate() {
+        let decode = matches!(program.kind, ProgramKind::Decode { .. });
+        // decode_1, the largest decode batch and the smallest prefill chunk
+        let largest_decode = plan.programs.iter().filter(|p| matches!(p.kind, ProgramKind::Decode { .. })).map(|p| p.tokens).max();
+        let smallest_prefill = plan.programs.iter().filter(|p| matches!(p.kind, ProgramKind::Prefill { .. })).map(|p| p.tokens).min();
+        if !(decode && (program.tokens == 1 || Some(program.tokens) == largest_decode) || !decode && Some(program.tokens) == smallest_prefill) {
+            continue;
+        }
+        let step = program.steps.iter().find(|s| matches!(s.op, Op::IndexerTopK { .. })).expect("an indexer step");
+        let Op::IndexerTopK { q, head_weights, layer, topk, out } = step.op else { unreachable!() };
+        assert_eq!(step.launches.len(), 1);
+        let l = &step.launches[0];
+        let k = &plan.kernels[l.kernel.0 as usize];
+        assert_eq!((k.family, l.grid, l.block), (KernelFamily::IndexerTopK, [program.tokens as u32, 1, 1], [THREADS, 1, 1]));
+
+        let (t, seqs) = (program.tokens, program.seqs);
+        let heads = plan.model.index_n_heads;
+        let hd = heads * plan.model.index_head_dim;
+        let mut kv = plan.memory.kv.clone();
+        kv.layers = 1;
+        kv.pages = seqs * kv.pages_per_seq;
+        let mut rng = Rng::new(80 + pi as u64);
+        let table = shuffled_tables(&mut rng, seqs, kv.pages_per_seq, kv.pages);
+        let page_table: Vec<i32> = table.into_iter().flatten().collect();
+        let (positions, token_seq): (Vec<i32>, Vec<i32>) = if decode {
+            // sequence s beyond top-k (every third one within it), the last token padding
+            let pos = |s: usize| if s % 3 == 1 { 5 + s as i32 % 11 } else { (300 + 97 * s as i32) % kv.max_context as i32 };
+            (0..t).map(|s| if s + 1 == t && t > 1 { (0, -1) } else { (pos(s), s as i32) }).unzip()
+        } else {
+            // one sequence's chunk after a 200-token prefix, the last 3 tokens padding
+            (0..t).map(|i| if i + 3 >= t { (0, -1) } else { (200 + i as i32, 0) }).unzip()
+        };
+        let row = kv.row_elems();
+        let keys: Vec<f32> = (0..kv.pages * kv.page_size * row).map(|_| round_bf16(rng.normal() as f32)).collect();
+        let mut cache = Cache::new(&kv);
+        cache.set_layer_bytes(0, &bf16_bytes(&keys));
+        let qv: Vec<f32> = (0..t * hd).map(|_| round_bf16(rng.normal() as f32)).collect();
+        let wv: Vec<f32> = (0..t * heads).map(|_| (rng.normal() * 0.5) as f32).collect();
+        let slots = vec![-1; t];
+        let inputs = TokenInputs { positions: &positions, token_seq: &token_seq, slots: &slots, page_table: &page_table, pages_per_seq: kv.pages_per_seq };
+        let mut want = vec![0i32; t * topk];
+        reference::indexer_topk(&qv, &wv, heads, &inputs, &cache, 0, &rope, topk, &mut want);
+
+        let mut g = GlobalMemory::new();
+        let words = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let dtype = |b| program.buffer(b).dtype;
+        let bq = if dtype(q) == DType::BF16 { g.alloc_bytes("q", &bf16_bytes(&qv)) } else { g.alloc_f32("q", &qv) };
+        let bw = if dtype(head_weights) == DType::BF16 { g.alloc_bytes("w", &bf16_bytes(&wv)) } else { g.alloc_f32("w", &wv) };
+        let bp = g.alloc_bytes("positions", &words(&positions));
+        let bs = g.alloc_bytes("token_seq", &words(&token_seq));
+        let bt = g.alloc_bytes("page_table", &words(&page_table));
+        let bk = g.alloc_bytes("kv", &cache.layer_bytes(0));
+        let br = g.alloc_f32("rope", &rope.table(kv.max_context));
+        let bo = g.alloc("out", t * topk * 4);
+        let ins = &program.inputs;
+        let args: Vec<KernelArg> = l
+            .args
+            .iter()
+            .map(|a| match *a {
+                LaunchArg::Buffer(b) if b == q => KernelArg::U64(g.addr(bq)),
+                LaunchArg::Buffer(b) if b == head_weights => KernelArg::U64(g.addr(bw)),
+                LaunchArg::Buffer(b) if b == ins.positions => KernelArg::U64(g.addr(bp)),
+                LaunchArg::Buffer(b) if b == ins.token_seq => KernelArg::U64(g.addr(bs)),
+                LaunchArg::Buffer(b) if b == ins.page_table => KernelArg::U64(g.addr(bt)),
+                LaunchArg::Buffer(b) if b == out => KernelArg::U64(g.addr(bo)),
+                LaunchArg::KvCache { layer: la } if la as usize == layer => KernelArg::U64(g.addr(bk)),
+                LaunchArg::RopeTable => KernelArg::U64(g.addr(br)),
+                LaunchArg::F32(v) => KernelArg::F32(v),
+                ref other => panic!("unexpected argument {other:?} of {}", k.name),
+            })
+            .collect();
+        let module = Module::parse(&k.ptx, &k.name).unwrap();
+        launch(&module, &k.entry, l.grid, l.block, l.smem_dynamic, &args, &mut g).unwrap();
+        let got: Vec<i32> = g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        assert_eq!(got, want, "{} ({}): planned launch vs CPU", program.name, k.name);
+        eprintln!("{}: planned indexer top-{topk} launch over {t} tokens identical to the CPU", program.name);
+        checked += 1;
+    }
+    assert!(checked >= 2, "checked {checked} programs");
+    let _ = std::fs::remove_dir_all(&dir);
+}
