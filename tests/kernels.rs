@@ -4,40 +4,15 @@
 //! once (global bytes read / compulsory bytes <= 1.10). The copies (add, gather_rows, embed on
 //! every rank of a split vocabulary) are bit-exact; the router's expert ids are exact.
 
+mod common;
+use common::{bytes, check, floats, randn};
 use kiln_compiler::kernels::{AddParams, EmbedArgs, EmbedParams, GatherRowsParams, Ptr, RouterParams, LinearBf16GemvParams, LinearNvfp4GemvParams, RmsnormParams, TEMPLATES};
 use kiln_compiler::passes::lower::{ELEMENTWISE_MAX_GRID, TASKS_PER_BLOCK, THREADS};
 use kiln_runtime::cpu::reference;
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
-use kiln_runtime::numerics::{bf16_to_f32, f32_to_bf16, quantize_nvfp4, round_bf16};
-use kiln_runtime::plan::{DType, Epilogue};
+use kiln_runtime::numerics::quantize_nvfp4;
+use kiln_runtime::plan::Epilogue;
 use kiln_runtime::rng::Rng;
-use kiln_runtime::verify::{compare, Values};
-
-fn randn(rng: &mut Rng, n: usize, scale: f64, bf16: bool) -> Vec<f32> {
-    (0..n).map(|_| (rng.normal() * scale) as f32).map(|v| if bf16 { round_bf16(v) } else { v }).collect()
-}
-
-fn bytes(v: &[f32], bf16: bool) -> Vec<u8> {
-    if bf16 {
-        v.iter().flat_map(|&f| f32_to_bf16(f).to_le_bytes()).collect()
-    } else {
-        v.iter().flat_map(|f| f.to_le_bytes()).collect()
-    }
-}
-
-fn floats(b: &[u8], bf16: bool) -> Vec<f32> {
-    if bf16 {
-        b.chunks_exact(2).map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect()
-    } else {
-        b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-    }
-}
-
-fn check(what: &str, bf16: bool, emu: &[f32], cpu: &[f32]) {
-    let c = compare(if bf16 { DType::BF16 } else { DType::F32 }, &Values::F32(emu.to_vec()), &Values::F32(cpu.to_vec()));
-    eprintln!("{what}: max abs {:.3e}, max rel {:.3e} over {} values", c.max_abs, c.max_rel, c.elements);
-    assert!(c.ok(), "{what}: {} of {} values beyond tolerance (max abs {:e}, max rel {:e})", c.beyond + c.non_finite, c.elements, c.max_abs, c.max_rel);
-}
 
 struct Nvfp4Case {
     m: usize,

@@ -10,6 +10,8 @@
 //! CPU; every GLM-5 tp8 instance (each prefill and decode bucket) assembles with ptxas without
 //! spills.
 
+mod common;
+
 use kiln_compiler::kernels::{IndexerKeyWriteParams, MlaKvWriteParams};
 use kiln_runtime::cpu::reference::{self, Cache, TokenInputs};
 use kiln_runtime::cpu::rope::Rope;
@@ -356,32 +358,15 @@ fn indexer_key_write_matches_the_cpu() {
     }
 }
 
-/// `ptxas -arch=sm_120a -v` on one rendered instance: (registers, static smem) after checking
-/// no spills, <= 255 registers and static + dynamic shared memory within 101376 B.
+/// (registers, static smem) of one rendered instance, after checking the budgets.
 fn assemble(ptxas: &std::path::Path, name: &str, ptx: &str, dynamic_smem: u32) -> (u32, u32) {
-    use kiln_compiler::passes::assemble::parse_ptxas_log;
-    use kiln_runtime::plan::PtxArch;
-    let dir = std::env::temp_dir().join(format!("kiln-kcache-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = dir.join(format!("{name}.ptx"));
-    std::fs::write(&src, ptx).unwrap();
-    let o = std::process::Command::new(ptxas).args(["-arch=sm_120a", "-v", "--warn-on-spills"]).arg(&src).arg("-o").arg(dir.join(format!("{name}.cubin"))).output().unwrap();
-    let log = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-    assert!(o.status.success(), "{name}: ptxas failed:\n{log}");
-    let r = parse_ptxas_log(&log, PtxArch::Sm120a).unwrap_or_else(|| panic!("{name}: cannot read\n{log}"));
-    eprintln!("{name}: {} registers, {} B spill stores, {} B spill loads, {} B stack, {} + {dynamic_smem} B shared memory", r.registers, r.spill_store_bytes, r.spill_load_bytes, r.stack_bytes, r.smem_static_bytes);
-    assert!(r.spill_store_bytes == 0 && r.spill_load_bytes == 0, "{name} spills");
-    assert!(r.registers <= 255 && r.smem_static_bytes + dynamic_smem <= 101_376, "{name}: over budget");
+    let r = common::assemble_within_budget(ptxas, name, ptx, dynamic_smem);
     (r.registers, r.smem_static_bytes)
 }
 
 #[test]
 fn cache_writes_assemble_at_tiny_and_glm5_shapes() {
-    let Some(ptxas) = kiln_compiler::passes::assemble::find_ptxas() else {
-        assert!(std::env::var_os("CI").is_none(), "CI must provide ptxas (scripts/test.sh installs the wheel)");
-        eprintln!("note: ptxas not found (KILN_PTXAS, PATH, nvidia-cuda-nvcc-cu12 wheel); skipping the sm_120a assembly check of the cache writes");
-        return;
-    };
+    let Some(ptxas) = common::ptxas("the cache writes") else { return };
     // (name, tokens, latent, rope, index, slots, max_context, x_bf16): tiny (tp1 and tp2 write
     // the same replicated cache) and GLM-5 tp8 (prefill chunk 8192, decode 1 and 32)
     let shapes = [
@@ -434,11 +419,7 @@ fn lowered_cache_plan(preset: &str, opts: kiln_compiler::CompileOptions) -> kiln
 
 #[test]
 fn glm5_tp8_cache_write_instances_assemble() {
-    let Some(ptxas) = kiln_compiler::passes::assemble::find_ptxas() else {
-        assert!(std::env::var_os("CI").is_none(), "CI must provide ptxas (scripts/test.sh installs the wheel)");
-        eprintln!("note: ptxas not found; skipping the GLM-5 cache-write assembly check");
-        return;
-    };
+    let Some(ptxas) = common::ptxas("the cache writes") else { return };
     let plan = lowered_cache_plan("glm5", kiln_compiler::CompileOptions { tp: 8, ..Default::default() });
     let kv = &plan.memory.kv;
     eprintln!("GLM-5 tp8 cache: row {} + {} + {}, {} slots, {} positions", kv.latent_dim, kv.rope_dim, kv.index_dim, kv.pages * kv.page_size, kv.max_context);

@@ -7,46 +7,23 @@
 //! tp8 shapes (M = 1 .. 8192) must assemble with ptxas for sm_120a without spills, within 255
 //! registers and the shared-memory limit.
 
+mod common;
+use common::{bytes, floats, randn};
 use kiln_compiler::kernels::{LinearBf16GemmParams, LinearNvfp4GemmParams};
-use kiln_compiler::passes::assemble::find_ptxas;
 use kiln_runtime::cpu::reference;
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
-use kiln_runtime::numerics::{bf16_to_f32, f32_to_bf16, quantize_nvfp4, round_bf16};
-use kiln_runtime::plan::{DType, Epilogue};
+use kiln_runtime::numerics::quantize_nvfp4;
+use kiln_runtime::plan::Epilogue;
 use kiln_runtime::rng::Rng;
-use kiln_runtime::verify::{compare, Values};
-use std::process::Command;
 
 /// Tiled-form blocks (rows x output columns; SiLU-mul halves the columns).
 const NV_BM: usize = 64;
 const NV_BN: usize = 128;
 const BF_BN: usize = 128;
 
-fn randn(rng: &mut Rng, n: usize, scale: f64, bf16: bool) -> Vec<f32> {
-    (0..n).map(|_| (rng.normal() * scale) as f32).map(|v| if bf16 { round_bf16(v) } else { v }).collect()
-}
-
-fn bytes(v: &[f32], bf16: bool) -> Vec<u8> {
-    if bf16 {
-        v.iter().flat_map(|&f| f32_to_bf16(f).to_le_bytes()).collect()
-    } else {
-        v.iter().flat_map(|f| f.to_le_bytes()).collect()
-    }
-}
-
-fn floats(b: &[u8], bf16: bool) -> Vec<f32> {
-    if bf16 {
-        b.chunks_exact(2).map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect()
-    } else {
-        b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-    }
-}
-
 fn check(what: &str, bf16: bool, emu: &[f32], cpu: &[f32]) {
     assert!(cpu.iter().filter(|v| **v != 0.0).count() > cpu.len() / 2, "{what}: the reference is mostly zero");
-    let c = compare(if bf16 { DType::BF16 } else { DType::F32 }, &Values::F32(emu.to_vec()), &Values::F32(cpu.to_vec()));
-    eprintln!("{what}: max abs {:.3e}, max rel {:.3e} over {} values", c.max_abs, c.max_rel, c.elements);
-    assert!(c.ok(), "{what}: {} of {} values beyond tolerance (max abs {:e}, max rel {:e})", c.beyond + c.non_finite, c.elements, c.max_abs, c.max_rel);
+    common::check(what, bf16, emu, cpu);
 }
 
 /// The launches of an NVFP4 linear as lowering makes them: one per part, or one for SiLU-mul.
@@ -294,31 +271,15 @@ fn split_k_bf16_gemm_matches_the_cpu_for_decode_sized_m() {
     }
 }
 
-/// `ptxas -arch=sm_120a -v` on one rendered kernel: (registers, spill bytes, static smem).
+/// (registers, spill bytes, static smem) of one rendered kernel.
 fn assemble(ptxas: &std::path::Path, name: &str, ptx: &str) -> (u32, u32, u32) {
-    let dir = std::env::temp_dir().join(format!("kiln-gemm-ptxas-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = dir.join(format!("{name}.ptx"));
-    std::fs::write(&src, ptx).unwrap();
-    let o = Command::new(ptxas).arg("-arch=sm_120a").arg("-v").arg(&src).arg("-o").arg(dir.join(format!("{name}.cubin"))).output().unwrap();
-    let log = String::from_utf8_lossy(&o.stderr).into_owned() + &String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "ptxas rejected {name}:\n{log}");
-    let num = |after: &str, before: &str| -> u32 {
-        log.lines().find_map(|l| l.find(before).map(|i| l[..i].trim_end().rsplit(after).next().unwrap().trim().parse().unwrap())).unwrap_or(0)
-    };
-    let regs = num("Used", "registers");
-    let spills = num(",", "bytes spill stores") + num(",", "bytes spill loads");
-    let smem = log.lines().find_map(|l| l.find("bytes smem").map(|i| l[..i].trim_end().rsplit(' ').next().unwrap().parse().unwrap())).unwrap_or(0);
-    (regs, spills, smem)
+    let r = common::assemble(ptxas, name, ptx).unwrap_or_else(|e| panic!("{e}"));
+    (r.registers, r.spill_store_bytes + r.spill_load_bytes, r.smem_static_bytes)
 }
 
 #[test]
 fn glm5_prefill_shapes_assemble_without_spills() {
-    let Some(ptxas) = find_ptxas() else {
-        assert!(std::env::var_os("CI").is_none(), "CI must provide ptxas (scripts/test.sh installs the wheel)");
-        eprintln!("note: ptxas not found (set KILN_PTXAS or `pip install nvidia-cuda-nvcc-cu12==12.9.86`); skipping the sm_120a assembly check of the GEMMs");
-        return;
-    };
+    let Some(ptxas) = common::ptxas("the GEMMs") else { return };
     let mut kernels: Vec<(String, String, u32)> = Vec::new();
     // NVFP4 tp8: dense MLP / shared expert gate+up (K 6144 -> 2 x 1536 or 2 x 256), down projections
     // (K 1536 or 256 -> 6144), q_a / o_proj sized single and two-part linears; tiny shapes too.

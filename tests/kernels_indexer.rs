@@ -7,6 +7,8 @@
 //! assemble with ptxas for sm_120a without spills, within 255 registers and 101376 B of shared
 //! memory.
 
+mod common;
+
 use kiln_compiler::kernels::IndexerTopkParams;
 use kiln_compiler::passes::lower::{SMEM_LIMIT, THREADS};
 use kiln_runtime::cpu::reference::{self, Cache, TokenInputs};
@@ -345,27 +347,15 @@ fn decode_reads_each_key_about_once() {
     assert!((1.0..=1.25).contains(&ratio), "byte ratio {ratio}");
 }
 
-/// `ptxas -arch=sm_120a -v` of one rendered instance: (registers, spill bytes, static smem).
+/// (registers, spill bytes, static smem) of one rendered instance.
 fn ptxas_resources(ptxas: &std::path::Path, name: &str, ptx: &str) -> (u32, u32, u32) {
-    let dir = std::env::temp_dir().join(format!("kiln-indexer-ptxas-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = dir.join(format!("{name}.ptx"));
-    std::fs::write(&src, ptx).unwrap();
-    let o = Command::new(ptxas).args(["-arch=sm_120a", "-v", "--warn-on-spills"]).arg(&src).arg("-o").arg(dir.join(format!("{name}.cubin"))).output().unwrap();
-    let log = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-    assert!(o.status.success(), "ptxas rejected {name}:\n{log}");
-    let r = kiln_compiler::passes::assemble::parse_ptxas_log(&log, kiln_runtime::plan::PtxArch::Sm120a).expect("ptxas -v output");
-    let _ = std::fs::remove_dir_all(&dir);
+    let r = common::assemble(ptxas, name, ptx).unwrap_or_else(|e| panic!("{e}"));
     (r.registers, r.spill_store_bytes + r.spill_load_bytes, r.smem_static_bytes)
 }
 
 #[test]
 fn tiny_and_glm5_instances_assemble_for_sm_120a() {
-    let Some(ptxas) = kiln_compiler::passes::assemble::find_ptxas() else {
-        assert!(std::env::var_os("CI").is_none(), "CI must provide ptxas (scripts/test.sh installs the wheel)");
-        eprintln!("note: ptxas not found (set KILN_PTXAS or `pip install nvidia-cuda-nvcc-cu12==12.9.86`); skipping the indexer top-k assembly check");
-        return;
-    };
+    let Some(ptxas) = common::ptxas("the indexer top-k") else { return };
     // GLM-5 tp8: 32 heads x 128, rope 64, latent 512, 64-token pages over 202752 positions,
     // top-2048 (decode batches and 8192-token prefill chunks launch this same kernel).
     let glm5 = |q_bf16| {

@@ -6,6 +6,8 @@
 //! expert's weights about once (global bytes read / compulsory <= 1.10); the GLM-5 tp8 instances
 //! (TP and EP, decode and prefill) assemble for sm_120a without spills and inside the limits.
 
+mod common;
+
 use kiln_compiler::kernels::{MoeDownParams, MoeGateUpParams};
 use kiln_compiler::passes::lower::{SMEM_LIMIT, THREADS};
 use kiln_runtime::cpu::reference::{self, Nvfp4Stack};
@@ -413,31 +415,25 @@ fn glm5_instances() -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
 
 #[test]
 fn moe_kernels_assemble_at_glm5_shapes() {
-    let Some(ptxas) = kiln_compiler::passes::assemble::find_ptxas() else {
-        assert!(std::env::var_os("CI").is_none(), "CI must provide ptxas (scripts/test.sh installs the wheel)");
-        eprintln!("note: ptxas not found (KILN_PTXAS, PATH, nvidia-cuda-nvcc-cu12 wheel); skipping the MoE assembly check");
-        return;
-    };
+    let Some(ptxas) = common::ptxas("the MoE kernels") else { return };
     let dir = std::env::temp_dir().join(format!("kiln-moe-ptxas-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut failures = Vec::new();
     for (name, gu, dn) in glm5_instances() {
         for (kernel, ptx, smem) in [("gate_up", gu.render().unwrap(), gu.dynamic_smem().unwrap()), ("down", dn.render().unwrap(), dn.dynamic_smem().unwrap())] {
-            let f = dir.join(format!("{}_{kernel}.ptx", name.replace([' ', '=', '/'], "_")));
-            std::fs::write(&f, &ptx).unwrap();
-            let o = std::process::Command::new(&ptxas).arg("-arch=sm_120a").arg("-v").arg(&f).arg("-o").arg(f.with_extension("cubin")).output().unwrap();
-            let log = String::from_utf8_lossy(&o.stderr).to_string() + &String::from_utf8_lossy(&o.stdout);
-            if !o.status.success() {
-                failures.push(format!("{name} {kernel}: {log}"));
-                continue;
-            }
-            let r = kiln_compiler::passes::assemble::parse_ptxas_log(&log, kiln_runtime::plan::PtxArch::Sm120a).expect("ptxas -v output");
+            let r = match common::assemble(&ptxas, &format!("{name}_{kernel}"), &ptx) {
+                Ok(r) => r,
+                Err(log) => {
+                    failures.push(log);
+                    continue;
+                }
+            };
             eprintln!(
                 "{name} {kernel}: {} registers, {} B spill stores, {} B spill loads, {} B static + {smem} B dynamic smem",
                 r.registers, r.spill_store_bytes, r.spill_load_bytes, r.smem_static_bytes
             );
             if r.spill_store_bytes + r.spill_load_bytes > 0 || r.registers > 255 || r.smem_static_bytes + smem > SMEM_LIMIT {
-                failures.push(format!("{name} {kernel}: out of limits: {log}"));
+                failures.push(format!("{name} {kernel}: out of limits: {r:?}"));
             }
         }
     }

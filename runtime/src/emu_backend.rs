@@ -107,19 +107,11 @@ impl EmuBackend {
         let plan = &self.plan;
         let program = plan.programs.get(index).ok_or_else(|| internal(format!("program {index} of {}", plan.programs.len())))?;
         crate::cpu::check_inputs(plan, program, inputs)?;
-        let pi = program.inputs;
         for d in &mut self.devices {
             let bufs = d.buffers.entry(index).or_insert_with(|| {
                 program.buffers.iter().map(|b| d.mem.alloc(&format!("{}.{}", program.name, b.name), (b.bytes as usize).max(4))).collect()
             });
-            for (b, v) in [
-                (pi.ids, &inputs.ids),
-                (pi.positions, &inputs.positions),
-                (pi.token_seq, &inputs.token_seq),
-                (pi.slots, &inputs.slots),
-                (pi.page_table, &inputs.page_table),
-                (pi.logit_rows, &inputs.logit_rows),
-            ] {
+            for (_, b, v) in inputs.by_buffer(program) {
                 let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
                 d.mem.write(bufs[b.0 as usize], 0, &bytes);
             }

@@ -11,7 +11,7 @@ use crate::plan::AttentionForm;
 use rayon::prelude::*;
 
 /// The attention geometry of this rank.
-pub(crate) struct Mla<'a> {
+pub struct Mla<'a> {
     /// Local heads.
     pub heads: usize,
     pub nope: usize,

@@ -137,6 +137,19 @@ pub struct Inputs {
 }
 
 impl Inputs {
+    /// Every input with its name and the program buffer it fills.
+    pub fn by_buffer<'a>(&'a self, program: &Program) -> [(&'static str, BufId, &'a [i32]); 6] {
+        let i = program.inputs;
+        [
+            ("ids", i.ids, &self.ids),
+            ("positions", i.positions, &self.positions),
+            ("token_seq", i.token_seq, &self.token_seq),
+            ("slots", i.slots, &self.slots),
+            ("page_table", i.page_table, &self.page_table),
+            ("logit_rows", i.logit_rows, &self.logit_rows),
+        ]
+    }
+
     /// Resets every input to the program's sizes, all padding (ids 0, everything else -1,
     /// positions 0). Reuses the Vecs' capacity.
     pub fn reset(&mut self, program: &Program) {
@@ -351,17 +364,9 @@ impl CpuBackend {
             .ok_or_else(|| RuntimeError::internal(format!("program {index} of {}", self.plan.programs.len())))?;
         let need = check_inputs(&self.plan, program, inputs)?;
         self.last = Some(index);
-        let pi = program.inputs;
         for rank in &mut self.ranks {
             rank.kv.reserve(need)?;
-            for (b, v) in [
-                (pi.ids, &inputs.ids),
-                (pi.positions, &inputs.positions),
-                (pi.token_seq, &inputs.token_seq),
-                (pi.slots, &inputs.slots),
-                (pi.page_table, &inputs.page_table),
-                (pi.logit_rows, &inputs.logit_rows),
-            ] {
+            for (_, b, v) in inputs.by_buffer(program) {
                 let dst = &mut rank.i[b.0 as usize];
                 dst.clear();
                 dst.extend_from_slice(v);
@@ -421,14 +426,7 @@ fn grow<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
 pub(crate) fn check_inputs(plan: &Plan, p: &Program, inputs: &Inputs) -> Result<usize, RuntimeError> {
     let bad = |what: &str, message: String| RuntimeError::input(format!("program {} input `{what}`", p.name), message);
     let pi = p.inputs;
-    for (what, b, v) in [
-        ("ids", pi.ids, &inputs.ids),
-        ("positions", pi.positions, &inputs.positions),
-        ("token_seq", pi.token_seq, &inputs.token_seq),
-        ("slots", pi.slots, &inputs.slots),
-        ("page_table", pi.page_table, &inputs.page_table),
-        ("logit_rows", pi.logit_rows, &inputs.logit_rows),
-    ] {
+    for (what, b, v) in inputs.by_buffer(p) {
         if v.len() != numel(p, b) {
             return Err(bad(what, format!("{} values, the program takes {}", v.len(), numel(p, b))));
         }

@@ -5,7 +5,7 @@ use super::linear::{linear, Linear, LinearScratch, Matrix};
 use super::norm::rms_norm_row;
 use super::rope::Rope;
 use super::{ActQuant, Round};
-use crate::plan::{AttentionForm, DType, Epilogue, KvLayout};
+use crate::plan::{DType, Epilogue, KvLayout};
 
 fn round(bf16: bool) -> Round {
     Round(bf16)
@@ -130,25 +130,15 @@ pub fn indexer_topk(q: &[f32], w: &[f32], heads: usize, t: &TokenInputs, cache: 
     super::indexer::top_k(q, w, heads, &t.tokens(), &cache.kv, layer, rope, topk, out);
 }
 
-/// The attention geometry of `Op::MlaAttention` on one rank.
-pub struct MlaGeometry<'a> {
-    pub heads: usize,
-    pub nope: usize,
-    pub rope_dim: usize,
-    pub v_dim: usize,
-    pub latent: usize,
-    pub scale: f32,
-    /// BF16 `[heads * (nope + v), latent]` bytes.
-    pub kv_b: &'a [u8],
-    pub form: AttentionForm,
-}
+/// The attention geometry of `Op::MlaAttention` on one rank (kv_b: BF16 `[heads * (nope + v),
+/// latent]` bytes).
+pub use super::attention::Mla as MlaGeometry;
 
 /// `Op::MlaAttention`: `q` `[tokens, heads * (nope + rope)]` (pre-RoPE); `topk` the selected
 /// positions `[tokens, k]` (None: every causal position); `out` `[tokens, heads * v]`.
 #[allow(clippy::too_many_arguments)]
 pub fn mla_attention(q: &[f32], topk: Option<(&[i32], usize)>, t: &TokenInputs, cache: &Cache, layer: usize, g: &MlaGeometry, rope: &Rope, out_bf16: bool, out: &mut [f32]) {
-    let m = super::attention::Mla { heads: g.heads, nope: g.nope, rope_dim: g.rope_dim, v_dim: g.v_dim, latent: g.latent, scale: g.scale, kv_b: g.kv_b, form: g.form };
-    super::attention::mla_attention(q, topk, &t.tokens(), &cache.kv, layer, &m, rope, round(out_bf16), out);
+    super::attention::mla_attention(q, topk, &t.tokens(), &cache.kv, layer, g, rope, round(out_bf16), out);
 }
 
 /// A stack of NVFP4 expert matrices `[experts, rows, k]`: packed codes, block scales and

@@ -92,16 +92,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             Ok(vec![of_grid(&params, grid, THREADS, args.launch_args())])
         }
         LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => {
-            if cx.arch != 120 {
-                return Err("the NVFP4 GEMM needs sm_120a (block-scaled FP4 mma, cvt e2m1x2)".into());
-            }
-            if k % 16 != 0 || parts.is_empty() || parts.len() > 2 {
-                return Err(format!("K = {k} with {} parts is outside the NVFP4 GEMM template", parts.len()));
-            }
-            let silu = epilogue == Epilogue::SiluMul;
-            if silu && (parts.len() != 2 || parts[0].rows != parts[1].rows) {
-                return Err("SiLU-mul needs two equal parts".into());
-            }
+            let silu = super::nvfp4_linear_shape(cx.arch, k, parts, epilogue, "GEMM")?;
             let args = LinearNvfp4GemmArgs {
                 x: Ptr::Buffer(input),
                 w: Ptr::Weight(weight),

@@ -17,7 +17,7 @@ mod moe;
 use crate::kernels::{AddArgs, AddParams, EmbedArgs, EmbedParams, RouterArgs, RouterParams, GatherRowsArgs, GatherRowsParams, LinearBf16GemvArgs, LinearBf16GemvParams, LinearNvfp4GemvArgs, LinearNvfp4GemvParams, KernelParams, Ptr, RmsnormArgs, RmsnormParams};
 use crate::CompileError;
 use kiln_runtime::plan::{
-    Arch, BufId, DType, Epilogue, KernelFamily, KernelId, KernelInfo, Launch, LaunchArg, LinearWeights, Op, Plan,
+    Arch, BufId, DType, Epilogue, KernelFamily, KernelId, KernelInfo, Launch, LaunchArg, LinearPart, LinearWeights, Op, Plan,
     Program,
 };
 use std::collections::BTreeMap;
@@ -40,7 +40,9 @@ pub(crate) struct Instance {
     entry: &'static str,
     family: KernelFamily,
     values: Vec<(&'static str, u64)>,
-    ptx: Result<String, String>,
+    /// Renders the PTX; called only for the first step that uses this instance (rendering
+    /// every step's copy would dominate the compile time).
+    render: Box<dyn FnOnce() -> Result<String, String>>,
     smem: Result<u32, String>,
     grid: [u32; 3],
     /// Threads per block (x only).
@@ -49,18 +51,19 @@ pub(crate) struct Instance {
 }
 
 /// The instance of any template's `params` with a 1-D grid of `THREADS`-thread blocks.
-pub(crate) fn of<P: KernelParams>(params: &P, grid: u32, args: Vec<LaunchArg>) -> Instance {
+pub(crate) fn of<P: KernelParams + Copy + 'static>(params: &P, grid: u32, args: Vec<LaunchArg>) -> Instance {
     of_grid(params, [grid, 1, 1], THREADS, args)
 }
 
 /// The instance of any template's `params` with its grid, block size and arguments.
-pub(crate) fn of_grid<P: KernelParams>(params: &P, grid: [u32; 3], block: u32, args: Vec<LaunchArg>) -> Instance {
+pub(crate) fn of_grid<P: KernelParams + Copy + 'static>(params: &P, grid: [u32; 3], block: u32, args: Vec<LaunchArg>) -> Instance {
+    let p = *params;
     Instance {
         template: P::TEMPLATE,
         entry: P::ENTRY,
         family: P::FAMILY,
         values: params.values(),
-        ptx: params.render(),
+        render: Box::new(move || p.render()),
         smem: params.dynamic_smem(),
         grid,
         block,
@@ -110,7 +113,7 @@ pub fn lower(plan: &mut Plan) -> Result<(), CompileError> {
                         let id = match by_name.get(&name) {
                             Some(&id) => id,
                             None => {
-                                let ptx = inst.ptx.map_err(|message| CompileError::Verifier {
+                                let ptx = (inst.render)().map_err(|message| CompileError::Verifier {
                                     pass: "lower",
                                     message: format!("rendering {name}: {message}"),
                                 })?;
@@ -192,6 +195,22 @@ pub(crate) fn float_flag(dtype: DType, what: &str) -> Result<u32, String> {
         DType::F32 => Ok(0),
         other => Err(format!("{what} is {other}; the template takes BF16 or F32")),
     }
+}
+
+/// What the NVFP4 GEMV and GEMM templates both require of a linear: sm_120a, K a multiple of the
+/// 16-value block, one or two parts, and two equal parts for SiLU-mul. Returns whether SiLU-mul.
+pub(crate) fn nvfp4_linear_shape(arch: u32, k: usize, parts: &[LinearPart], epilogue: Epilogue, form: &str) -> Result<bool, String> {
+    if arch != 120 {
+        return Err(format!("the NVFP4 {form} needs sm_120a (cvt e2m1x2, block-scaled FP4 mma)"));
+    }
+    if k % 16 != 0 || parts.is_empty() || parts.len() > 2 {
+        return Err(format!("K = {k} with {} parts is outside the NVFP4 {form} template", parts.len()));
+    }
+    let silu = epilogue == Epilogue::SiluMul;
+    if silu && (parts.len() != 2 || parts[0].rows != parts[1].rows) {
+        return Err("SiLU-mul needs two equal parts".into());
+    }
+    Ok(silu)
 }
 
 pub(crate) fn fits(bytes: usize, limit: u32, what: &str) -> Result<(), String> {
@@ -279,16 +298,7 @@ fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Re
                     Ok(of(&params, (n as u32).div_ceil(TASKS_PER_BLOCK), args.launch_args()))
                 }
                 LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => {
-                    if arch != 120 {
-                        return Err("the NVFP4 GEMV needs sm_120a (cvt e2m1x2, FP4 tensor cores)".into());
-                    }
-                    if k % 16 != 0 || parts.is_empty() || parts.len() > 2 {
-                        return Err(format!("K = {k} with {} parts is outside the NVFP4 GEMV template", parts.len()));
-                    }
-                    let silu = epilogue == Epilogue::SiluMul;
-                    if silu && (parts.len() != 2 || parts[0].rows != parts[1].rows) {
-                        return Err("SiLU-mul needs two equal parts".into());
-                    }
+                    let silu = nvfp4_linear_shape(arch, k, parts, epilogue, "GEMV")?;
                     fits(parts.len() * m * k * 2 + 16, smem_limit, &format!("an NVFP4 GEMV with M = {m}, K = {k}"))?;
                     let tasks = if silu { parts[0].rows } else { n };
                     let params = LinearNvfp4GemvParams {

@@ -1,0 +1,77 @@
+//! Helpers shared by the kernel tests: random data, BF16/F32 bytes, the comparison under `kiln
+//! verify`'s tolerances, and ptxas assembly of rendered instances for sm_120a.
+#![allow(dead_code)]
+
+use kiln_compiler::passes::assemble::{find_ptxas, parse_ptxas_log};
+use kiln_runtime::numerics::{bf16_to_f32, f32_to_bf16, round_bf16};
+use kiln_runtime::plan::{DType, PtxArch, Resources};
+use kiln_runtime::rng::Rng;
+use kiln_runtime::verify::{compare, Values};
+use std::path::{Path, PathBuf};
+
+/// Normal samples times `scale`, rounded to BF16 when the buffer is BF16.
+pub fn randn(rng: &mut Rng, n: usize, scale: f64, bf16: bool) -> Vec<f32> {
+    (0..n).map(|_| (rng.normal() * scale) as f32).map(|v| if bf16 { round_bf16(v) } else { v }).collect()
+}
+
+/// Little-endian BF16 or F32 bytes of `v`.
+pub fn bytes(v: &[f32], bf16: bool) -> Vec<u8> {
+    if bf16 {
+        v.iter().flat_map(|&f| f32_to_bf16(f).to_le_bytes()).collect()
+    } else {
+        v.iter().flat_map(|f| f.to_le_bytes()).collect()
+    }
+}
+
+/// The values of BF16 or F32 bytes.
+pub fn floats(b: &[u8], bf16: bool) -> Vec<f32> {
+    if bf16 {
+        b.chunks_exact(2).map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect()
+    } else {
+        b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    }
+}
+
+/// Asserts `emu` equals `cpu` under `kiln verify`'s tolerance for the dtype.
+pub fn check(what: &str, bf16: bool, emu: &[f32], cpu: &[f32]) {
+    let c = compare(if bf16 { DType::BF16 } else { DType::F32 }, &Values::F32(emu.to_vec()), &Values::F32(cpu.to_vec()));
+    eprintln!("{what}: max abs {:.3e}, max rel {:.3e} over {} values", c.max_abs, c.max_rel, c.elements);
+    assert!(c.ok(), "{what}: {} of {} values beyond tolerance (max abs {:e}, max rel {:e})", c.beyond + c.non_finite, c.elements, c.max_abs, c.max_rel);
+}
+
+/// ptxas for the assembly checks, or None (with a note) where it is not installed; CI must have it.
+pub fn ptxas(what: &str) -> Option<PathBuf> {
+    let found = find_ptxas();
+    if found.is_none() {
+        assert!(std::env::var_os("CI").is_none(), "CI must provide ptxas (scripts/test.sh installs the wheel)");
+        eprintln!("note: ptxas not found (set KILN_PTXAS or `pip install nvidia-cuda-nvcc-cu12==12.9.86`); skipping the sm_120a assembly check of {what}");
+    }
+    found
+}
+
+/// `ptxas -arch=sm_120a -v` of one rendered instance: its resources, or ptxas' log on failure.
+pub fn assemble(ptxas: &Path, name: &str, ptx: &str) -> Result<Resources, String> {
+    let dir = std::env::temp_dir().join(format!("kiln-ptxas-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = name.replace(|c: char| !c.is_ascii_alphanumeric() && c != '_', "_");
+    let src = dir.join(format!("{file}.ptx"));
+    std::fs::write(&src, ptx).unwrap();
+    let o = std::process::Command::new(ptxas).args(["-arch=sm_120a", "-v"]).arg(&src).arg("-o").arg(dir.join(format!("{file}.cubin"))).output().unwrap();
+    let log = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    let _ = std::fs::remove_file(&src);
+    let _ = std::fs::remove_file(dir.join(format!("{file}.cubin")));
+    if !o.status.success() {
+        return Err(format!("ptxas rejected {name}:\n{log}"));
+    }
+    parse_ptxas_log(&log, PtxArch::Sm120a).ok_or_else(|| format!("{name}: cannot read the ptxas log:\n{log}"))
+}
+
+/// Assembles one instance and asserts the budgets: no spills, <= 255 registers, static +
+/// `dynamic_smem` shared memory <= 101,376 B.
+pub fn assemble_within_budget(ptxas: &Path, name: &str, ptx: &str, dynamic_smem: u32) -> Resources {
+    let r = assemble(ptxas, name, ptx).unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("{name}: {} registers, {} + {} B spilled, {} B static + {dynamic_smem} B dynamic shared memory", r.registers, r.spill_store_bytes, r.spill_load_bytes, r.smem_static_bytes);
+    assert!(r.spill_store_bytes == 0 && r.spill_load_bytes == 0, "{name} spills");
+    assert!(r.registers <= 255 && r.smem_static_bytes + dynamic_smem <= 101_376, "{name}: {} registers, {} B shared memory", r.registers, r.smem_static_bytes + dynamic_smem);
+    r
+}
