@@ -4,7 +4,9 @@
 //! decode steps (batch 1 and 2) over the KV cache the kernels wrote.
 //!
 //! TP 1 runs its prompt through a 64-token prefill program (the tiled tensor-core GEMMs), TP 2
-//! through a 32-token one (the GEMVs); decode programs use the GEMVs.
+//! through a 32-token one (the GEMVs); decode programs use the GEMVs. The `nvfp4_flatcfg` golden
+//! goes through the `kiln logits` CLI (prefill and `--decode`), and `kiln run` generates the same
+//! greedy text on both backends.
 //!
 //! Tolerance: both backends store BF16 at the same points and quantise NVFP4 activations the same
 //! way, so most kernels are bit-exact and the rest (attention's exp and summation order) differ by
@@ -118,4 +120,67 @@ fn nvfp4_groups_tp1_emulator_matches_cpu() {
 #[test]
 fn nvfp4_groups_tp2_emulator_matches_cpu() {
     case("nvfp4_groups", 2, 32);
+}
+
+fn kiln(args: &[&str]) -> String {
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).output().expect("run kiln");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && !err.contains("panicked"), "kiln {args:?} failed:\n{err}");
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn logits_file(path: &Path, vocab: usize) -> Vec<Vec<f32>> {
+    let headers = kiln_runtime::safetensors::read_header(path).unwrap();
+    let (_, h) = headers.iter().find(|(n, _)| n == "logits").expect("logits tensor");
+    let bytes = std::fs::read(path).unwrap();
+    let v: Vec<f32> = bytes[h.data_start as usize..h.data_end as usize].chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+    v.chunks_exact(vocab).map(<[f32]>::to_vec).collect()
+}
+
+/// `kiln logits --backend emu` against `--backend cpu` on another golden checkpoint, through the
+/// CLI, prefill and `--decode` (the tolerances of the module doc).
+#[test]
+fn kiln_logits_cli_on_the_emulator_matches_the_cpu() {
+    let (ckpt, ids) = golden_ids("nvfp4_flatcfg");
+    let ids: Vec<String> = ids.iter().take(12).map(u32::to_string).collect();
+    let ids = ids.join(",");
+    let dir = scratch("cli");
+    let art = dir.join("art");
+    compile(&ckpt, 1, 32, &art);
+    let vocab = kiln_runtime::plan::read_plan(&art).unwrap().model.vocab_size;
+    for decode in [false, true] {
+        let mut rows = Vec::new();
+        for backend in ["cpu", "emu"] {
+            let out = dir.join(format!("{backend}-{decode}.safetensors"));
+            let mut args = vec!["logits", art.to_str().unwrap(), "--ids", &ids, "--backend", backend, "--out", out.to_str().unwrap()];
+            if decode {
+                args.push("--decode");
+            }
+            kiln(&args);
+            rows.push(logits_file(&out, vocab));
+        }
+        let (cpu, emu) = (&rows[0], &rows[1]);
+        let mut errs: Vec<f64> = emu.iter().zip(cpu).map(|(e, c)| rel_l2(e, c)).collect();
+        let agree = emu.iter().zip(cpu).filter(|(e, c)| argmax(e) == argmax(c)).count() as f64 / cpu.len() as f64;
+        errs.sort_by(f64::total_cmp);
+        eprintln!("nvfp4_flatcfg cli decode={decode}: rel-L2 median {:.2e} max {:.2e}, argmax agreement {:.0} %", errs[errs.len() / 2], errs[errs.len() - 1], agree * 100.0);
+        assert!(emu.iter().flatten().all(|v| v.is_finite()));
+        assert!(errs[errs.len() / 2] <= MEDIAN_TOL && errs[errs.len() - 1] <= ROW_TOL && agree >= TOP1_MIN, "decode={decode}: {errs:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `kiln run --backend emu`: the serving engine over the emulator generates the same greedy
+/// text as over the CPU backend (both deterministic; the demo model and prompt are fixed).
+#[test]
+fn kiln_run_on_the_emulator_generates_what_the_cpu_generates() {
+    let dir = scratch("run");
+    let (ckpt, art) = (dir.join("ckpt"), dir.join("art"));
+    kiln(&["synth", "tiny", "-o", ckpt.to_str().unwrap()]);
+    kiln(&["compile", ckpt.to_str().unwrap(), "--target", "sm_120a", "--no-ptxas", "--prefill-chunk", "32", "--decode-batches", "1", "--max-context", "64", "-o", art.to_str().unwrap()]);
+    let run = |backend: &str| kiln(&["run", art.to_str().unwrap(), "--prompt", "Hello there, kiln", "--max-tokens", "4", "--backend", backend]);
+    let (cpu, emu) = (run("cpu"), run("emu"));
+    assert!(!cpu.trim().is_empty());
+    assert_eq!(emu, cpu, "greedy text differs between the emulator and the CPU");
+    let _ = std::fs::remove_dir_all(&dir);
 }
