@@ -40,6 +40,9 @@ pub struct Args {
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let backend = super::backend_kind(&a.backend)?;
+    if backend == kiln_runtime::session::BackendKind::Emu && (a.precision != "bf16" || a.act_quant != "on") {
+        anyhow::bail!("--precision and --act-quant choose CPU-backend numerics; the emulator runs the compiled kernels (BF16 storage, W4A4)");
+    }
     let start = std::time::Instant::now();
     let cpu = CpuOptions {
         precision: if a.precision == "f32" { Precision::F32 } else { Precision::Bf16 },
