@@ -10,8 +10,6 @@ use kiln_compiler::kernels::{AddParams, EmbedArgs, EmbedParams, GatherRowsParams
 use kiln_compiler::passes::lower::{ELEMENTWISE_MAX_GRID, TASKS_PER_BLOCK, THREADS};
 use kiln_runtime::cpu::reference;
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
-use kiln_runtime::numerics::quantize_nvfp4;
-use kiln_runtime::plan::Epilogue;
 use kiln_runtime::rng::Rng;
 
 struct Nvfp4Case {
@@ -31,20 +29,8 @@ fn nvfp4_case(c: &Nvfp4Case, seed: u64) -> (LaunchStats, u64) {
     let (m, k) = (c.m, c.k);
     let n: usize = c.parts.iter().sum();
     let x = randn(&mut rng, m * k, 1.5, c.x_bf16);
-    let (mut packed, mut scales, mut s2) = (Vec::new(), Vec::new(), Vec::new());
-    for &rows in &c.parts {
-        let w = randn(&mut rng, rows * k, 0.05, false);
-        let (p, s, g) = quantize_nvfp4(&w, rows, k);
-        packed.extend(p);
-        scales.extend(s);
-        s2.push(g);
-    }
-    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-    let input_scale: Vec<f32> = (0..c.parts.len()).map(|p| amax / (6.0 * 448.0) * if c.split_scales { 1.0 + p as f32 * 0.37 } else { 1.0 }).collect();
+    let common::Nvfp4Linear { packed, scales, scale_2: s2, input_scale, want } = common::nvfp4_linear(&mut rng, &x, m, k, &c.parts, c.silu, c.split_scales, 1.0, c.out_bf16);
     let tasks = if c.silu { c.parts[0] } else { n };
-    let mut want = vec![0f32; m * tasks];
-    let epilogue = if c.silu { Epilogue::SiluMul } else { Epilogue::None };
-    reference::linear_nvfp4(&x, m, &packed, &scales, k, &c.parts, &s2, &input_scale, epilogue, c.out_bf16, &mut want);
 
     let params = LinearNvfp4GemvParams {
         arch: 120,

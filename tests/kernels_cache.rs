@@ -154,7 +154,7 @@ fn launch_shape(tokens: usize) -> (u32, u32) {
 #[allow(clippy::too_many_arguments)]
 fn check_layer(what: &str, g: &Geo, got: &[u8], want: &[u8], written: &[usize], from: usize, to: usize, exact_from: usize, log: bool) -> usize {
     assert_eq!(got.len(), want.len());
-    let c = compare_cache(g.layout().dtype, got, want);
+    let c = compare_cache(g.layout().dtype, 1, got, want);
     if log {
         eprintln!("{what}: max abs {:.3e}, max rel {:.3e} over {} values", c.max_abs, c.max_rel, c.elements);
     }

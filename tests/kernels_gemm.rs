@@ -12,8 +12,6 @@ use common::{bytes, floats, randn};
 use kiln_compiler::kernels::{LinearBf16GemmParams, LinearNvfp4GemmParams};
 use kiln_runtime::cpu::reference;
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
-use kiln_runtime::numerics::quantize_nvfp4;
-use kiln_runtime::plan::Epilogue;
 use kiln_runtime::rng::Rng;
 
 /// Tiled-form blocks (rows x output columns; SiLU-mul halves the columns).
@@ -92,20 +90,8 @@ fn nvfp4_case(c: &Nvfp4Case, seed: u64) -> u64 {
         x[..k].fill(0.0);
         x[2 * k + 16..2 * k + 32].fill(0.0);
     }
-    let (mut packed, mut scales, mut s2) = (Vec::new(), Vec::new(), Vec::new());
-    for &rows in &c.parts {
-        let w = randn(&mut rng, rows * k, 0.05, false);
-        let (p, s, g) = quantize_nvfp4(&w, rows, k);
-        packed.extend(p);
-        scales.extend(s);
-        s2.push(g);
-    }
-    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-    let input_scale: Vec<f32> = (0..c.parts.len()).map(|p| amax / (6.0 * 448.0) * c.scale_mul * if c.split_scales { 1.0 + p as f32 * 0.37 } else { 1.0 }).collect();
+    let common::Nvfp4Linear { packed, scales, scale_2: s2, input_scale, want } = common::nvfp4_linear(&mut rng, &x, m, k, &c.parts, c.silu, c.split_scales, c.scale_mul, c.out_bf16);
     let cols = if c.silu { c.parts[0] } else { n };
-    let mut want = vec![0f32; m * cols];
-    let epilogue = if c.silu { Epilogue::SiluMul } else { Epilogue::None };
-    reference::linear_nvfp4(&x, m, &packed, &scales, k, &c.parts, &s2, &input_scale, epilogue, c.out_bf16, &mut want);
 
     let mut g = GlobalMemory::new();
     let bx = g.alloc_bytes("x", &bytes(&x, c.x_bf16));

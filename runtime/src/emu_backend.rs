@@ -1,31 +1,30 @@
 //! The emulator backend: replays a plan's programs the way the CUDA backend will, every step as
-//! its kernel launches on simulated GPUs (one [`GlobalMemory`] per rank holding the weights
-//! arena, the program buffers, the KV cache and the RoPE table); the collectives are summed or
-//! gathered on the host in fixed rank order, as the CPU backend does. Behind `--backend emu` of
-//! `kiln logits` and `kiln run`.
+//! its kernel launches on simulated GPUs, one [`GlobalMemory`] per rank holding the weights arena,
+//! one workspace in which every program buffer sits at the offset the memory plan gave it (so a
+//! liveness mistake of the planner corrupts values here as it would on a GPU), the KV cache and
+//! the RoPE table. The collectives are summed or gathered on the host in fixed rank order, as the
+//! CPU backend does. Behind `--backend emu` of `kiln logits`, `run` and `serve`.
 //!
-//! Nothing here computes model math: every value comes out of emitted PTX. A plan with a step
-//! that has no kernel is refused when the backend is built, naming the step.
+//! Nothing here computes model math: every value comes out of emitted PTX.
 
 use crate::bind::Arena;
 use crate::cpu::rope::Rope;
 use crate::cpu::Inputs;
 use crate::emu::{self, BufferId, GlobalMemory, KernelArg, Module};
 use crate::error::RuntimeError;
-use crate::numerics::{bf16_to_f32, f32_to_bf16};
+use crate::numerics::{bytes_floats, float_bytes};
 use crate::plan::{BufId, DType, LaunchArg, Op, Plan, Program};
-use std::collections::HashMap;
 
 /// One simulated GPU.
 struct Device {
     rank: usize,
     mem: GlobalMemory,
     arena: BufferId,
+    /// The workspace all programs share (`MemoryPlan::workspace` bytes).
+    workspace: BufferId,
     /// One buffer per KV-cache layer (the GPU layout of `KvLayout`).
     kv: Vec<BufferId>,
     rope: BufferId,
-    /// Per program: one buffer per program value (allocated on the program's first replay).
-    buffers: HashMap<usize, Vec<BufferId>>,
 }
 
 pub struct EmuBackend {
@@ -33,8 +32,6 @@ pub struct EmuBackend {
     modules: Vec<Module>,
     devices: Vec<Device>,
     logits: Vec<f32>,
-    /// Global bytes the kernels read and wrote in the last replay (all ranks).
-    pub last_bytes: (u64, u64),
 }
 
 fn internal(m: impl Into<String>) -> RuntimeError {
@@ -63,43 +60,25 @@ impl EmuBackend {
             .map(|k| Module::parse(&k.ptx, &format!("{}.ptx", k.name)).map_err(|e| internal(format!("kernel {}: {e}", k.name))))
             .collect::<Result<Vec<_>, _>>()?;
         let kv = &plan.memory.kv;
-        let rope: Vec<u8> = Rope::new(plan.model.qk_rope_head_dim, plan.model.rope_theta)
-            .table(kv.max_context)
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
+        let rope = Rope::plan_table_bytes(&plan);
+        let workspace = plan.memory.workspace.max(4) as usize;
         let devices = arenas
             .into_iter()
             .enumerate()
             .map(|(rank, arena)| {
                 let mut mem = GlobalMemory::new();
                 let arena = mem.alloc_bytes("weights", &arena);
+                let workspace = mem.alloc("workspace", workspace);
                 let kv = (0..kv.layers).map(|l| mem.alloc(&format!("kv_cache.layer{l}"), kv.layer_bytes() as usize)).collect();
                 let rope = mem.alloc_bytes("rope_table", &rope);
-                Device { rank, mem, arena, kv, rope, buffers: HashMap::new() }
+                Device { rank, mem, arena, workspace, kv, rope }
             })
             .collect();
-        Ok(EmuBackend { plan, modules, devices, logits: Vec::new(), last_bytes: (0, 0) })
+        Ok(EmuBackend { plan, modules, devices, logits: Vec::new() })
     }
 
     pub fn plan(&self) -> &Plan {
         &self.plan
-    }
-
-    /// A float buffer of `rank` as the last replay of `program` left it (every program value has
-    /// its own emulated buffer), as f32; None if the program has not run.
-    pub fn buffer_f32(&self, rank: usize, program: usize, buf: BufId) -> Option<Vec<f32>> {
-        let d = self.devices.get(rank)?;
-        d.buffers.get(&program)?;
-        Some(read_floats(d, program, self.plan.programs.get(program)?, buf))
-    }
-
-    /// An I32 buffer of `rank` after the last replay of `program`.
-    pub fn buffer_i32(&self, rank: usize, program: usize, buf: BufId) -> Option<Vec<i32>> {
-        let d = self.devices.get(rank)?;
-        let p = self.plan.programs.get(program)?;
-        let bytes = d.mem.read(*d.buffers.get(&program)?.get(buf.0 as usize)?);
-        Some(bytes.chunks_exact(4).take(numel(p, buf)).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
     }
 
     /// Replays program `index` with `inputs`; returns its logits `[logit_rows, vocab]`.
@@ -108,47 +87,37 @@ impl EmuBackend {
         let program = plan.programs.get(index).ok_or_else(|| internal(format!("program {index} of {}", plan.programs.len())))?;
         crate::cpu::check_inputs(plan, program, inputs)?;
         for d in &mut self.devices {
-            let bufs = d.buffers.entry(index).or_insert_with(|| {
-                program.buffers.iter().map(|b| d.mem.alloc(&format!("{}.{}", program.name, b.name), (b.bytes as usize).max(4))).collect()
-            });
             for (_, b, v) in inputs.by_buffer(program) {
                 let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-                d.mem.write(bufs[b.0 as usize], 0, &bytes);
+                d.mem.write(d.workspace, program.buffer(b).offset as usize, &bytes);
             }
         }
-        let mut bytes = (0u64, 0u64);
         for (s, step) in program.steps.iter().enumerate() {
             let at = |m: String| internal(format!("{} step {s} ({}): {m}", program.name, step.op.name()));
             match step.op {
-                Op::AllReduce { buf } => all_reduce(&mut self.devices, index, program, buf),
-                Op::AllGather { input, out } => all_gather(&mut self.devices, index, program, input, out).map_err(at)?,
+                Op::AllReduce { buf } => all_reduce(&mut self.devices, program, buf),
+                Op::AllGather { input, out } => all_gather(&mut self.devices, program, input, out).map_err(at)?,
                 _ => {
                     for d in &mut self.devices {
                         for l in &step.launches {
-                            let args = l.args.iter().map(|a| d.arg(plan, index, *a)).collect::<Result<Vec<_>, String>>().map_err(at)?;
+                            let args = l.args.iter().map(|a| d.arg(plan, program, *a)).collect::<Result<Vec<_>, String>>().map_err(at)?;
                             let kernel = plan.kernel(l.kernel);
-                            let stats = emu::launch(&self.modules[l.kernel.0 as usize], &kernel.entry, l.grid, l.block, l.smem_dynamic, &args, &mut d.mem)
+                            emu::launch(&self.modules[l.kernel.0 as usize], &kernel.entry, l.grid, l.block, l.smem_dynamic, &args, &mut d.mem)
                                 .map_err(|e| at(format!("{} on rank {}: {e}", kernel.name, d.rank)))?;
-                            bytes.0 += stats.global_bytes_read();
-                            bytes.1 += stats.global_bytes_written();
                         }
                     }
                 }
             }
         }
-        self.last_bytes = bytes;
-        let d = &self.devices[0];
-        let logits = read_floats(d, index, program, program.logits);
-        self.logits.clear();
-        self.logits.extend_from_slice(&logits);
+        self.logits = read_floats(&self.devices[0], program, program.logits);
         Ok(&self.logits)
     }
 }
 
 impl Device {
-    fn arg(&self, plan: &Plan, program: usize, a: LaunchArg) -> Result<KernelArg, String> {
+    fn arg(&self, plan: &Plan, program: &Program, a: LaunchArg) -> Result<KernelArg, String> {
         Ok(match a {
-            LaunchArg::Buffer(b) => KernelArg::U64(self.mem.addr(self.buffers[&program][b.0 as usize])),
+            LaunchArg::Buffer(b) => KernelArg::U64(self.mem.addr(self.workspace) + program.buffer(b).offset),
             LaunchArg::Weight(w) => KernelArg::U64(self.mem.addr(self.arena) + plan.weight(w).offset),
             LaunchArg::KvCache { layer } => {
                 let id = self.kv.get(layer as usize).ok_or_else(|| format!("layer {layer} has no KV cache"))?;
@@ -162,58 +131,48 @@ impl Device {
     }
 }
 
-fn numel(p: &Program, b: BufId) -> usize {
-    p.buffer(b).shape.iter().product()
-}
-
 /// A float buffer of one device as f32.
-fn read_floats(d: &Device, program: usize, p: &Program, b: BufId) -> Vec<f32> {
-    let n = numel(p, b);
-    let bytes = d.mem.read(d.buffers[&program][b.0 as usize]);
-    match p.buffer(b).dtype {
-        DType::BF16 => bytes.chunks_exact(2).take(n).map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
-        _ => bytes.chunks_exact(4).take(n).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-    }
+fn read_floats(d: &Device, p: &Program, b: BufId) -> Vec<f32> {
+    let buf = p.buffer(b);
+    let bf16 = buf.dtype == DType::BF16;
+    let n: usize = buf.shape.iter().product();
+    bytes_floats(&d.mem.read_at(d.workspace, buf.offset as usize, n * if bf16 { 2 } else { 4 }), bf16)
 }
 
-fn write_floats(d: &mut Device, program: usize, p: &Program, b: BufId, v: &[f32]) {
-    let bytes: Vec<u8> = match p.buffer(b).dtype {
-        DType::BF16 => v.iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()).collect(),
-        _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-    };
-    let id = d.buffers[&program][b.0 as usize];
-    d.mem.write(id, 0, &bytes);
+fn write_floats(d: &mut Device, p: &Program, b: BufId, v: &[f32]) {
+    let buf = p.buffer(b);
+    d.mem.write(d.workspace, buf.offset as usize, &float_bytes(v, buf.dtype == DType::BF16));
 }
 
 /// Sums `buf` over the ranks in rank order in f32 and stores the sum (rounded to the buffer's
 /// dtype) on every rank: the CPU backend's all-reduce, bit for bit.
-fn all_reduce(devices: &mut [Device], program: usize, p: &Program, buf: BufId) {
-    let mut acc = read_floats(&devices[0], program, p, buf);
+fn all_reduce(devices: &mut [Device], p: &Program, buf: BufId) {
+    let mut acc = read_floats(&devices[0], p, buf);
     for d in &devices[1..] {
-        acc.iter_mut().zip(read_floats(d, program, p, buf)).for_each(|(a, v)| *a += v);
+        acc.iter_mut().zip(read_floats(d, p, buf)).for_each(|(a, v)| *a += v);
     }
     for d in devices.iter_mut() {
-        write_floats(d, program, p, buf, &acc);
+        write_floats(d, p, buf, &acc);
     }
 }
 
 /// Concatenates each rank's `input` columns in rank order into `out` on every rank.
-fn all_gather(devices: &mut [Device], program: usize, p: &Program, input: BufId, out: BufId) -> Result<(), String> {
+fn all_gather(devices: &mut [Device], p: &Program, input: BufId, out: BufId) -> Result<(), String> {
     let w = p.buffer(input).shape.last().copied().unwrap_or(1);
     let wo = p.buffer(out).shape.last().copied().unwrap_or(1);
-    let rows = numel(p, out) / wo.max(1);
+    let rows = p.buffer(out).shape.iter().product::<usize>() / wo.max(1);
     if w * devices.len() != wo {
         return Err("all-gather shapes do not match the rank count".into());
     }
     let mut acc = vec![0f32; rows * wo];
     for (r, d) in devices.iter().enumerate() {
-        let src = read_floats(d, program, p, input);
+        let src = read_floats(d, p, input);
         for row in 0..rows {
             acc[row * wo + r * w..row * wo + (r + 1) * w].copy_from_slice(&src[row * w..(row + 1) * w]);
         }
     }
     for d in devices.iter_mut() {
-        write_floats(d, program, p, out, &acc);
+        write_floats(d, p, out, &acc);
     }
     Ok(())
 }

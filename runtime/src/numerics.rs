@@ -19,6 +19,24 @@ pub fn round_bf16(x: f32) -> f32 {
     bf16_to_f32(f32_to_bf16(x))
 }
 
+/// Little-endian bytes of `v` stored as BF16 (`bf16`) or F32.
+pub fn float_bytes(v: &[f32], bf16: bool) -> Vec<u8> {
+    if bf16 {
+        v.iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()).collect()
+    } else {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+}
+
+/// The values of little-endian BF16 (`bf16`) or F32 bytes.
+pub fn bytes_floats(b: &[u8], bf16: bool) -> Vec<f32> {
+    if bf16 {
+        b.chunks_exact(2).map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect()
+    } else {
+        b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    }
+}
+
 /// Largest finite E4M3 value.
 pub const E4M3_MAX: f32 = 448.0;
 

@@ -1,9 +1,9 @@
 //! Helpers shared by the kernel tests: random data, BF16/F32 bytes, the comparison under `kiln
 //! verify`'s tolerances, and ptxas assembly of rendered instances for sm_120a.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use kiln_compiler::passes::assemble::{find_ptxas, parse_ptxas_log};
-use kiln_runtime::numerics::{bf16_to_f32, f32_to_bf16, round_bf16};
+use kiln_runtime::numerics::round_bf16;
 use kiln_runtime::plan::{DType, PtxArch, Resources};
 use kiln_runtime::rng::Rng;
 use kiln_runtime::verify::{compare, Values};
@@ -14,23 +14,7 @@ pub fn randn(rng: &mut Rng, n: usize, scale: f64, bf16: bool) -> Vec<f32> {
     (0..n).map(|_| (rng.normal() * scale) as f32).map(|v| if bf16 { round_bf16(v) } else { v }).collect()
 }
 
-/// Little-endian BF16 or F32 bytes of `v`.
-pub fn bytes(v: &[f32], bf16: bool) -> Vec<u8> {
-    if bf16 {
-        v.iter().flat_map(|&f| f32_to_bf16(f).to_le_bytes()).collect()
-    } else {
-        v.iter().flat_map(|f| f.to_le_bytes()).collect()
-    }
-}
-
-/// The values of BF16 or F32 bytes.
-pub fn floats(b: &[u8], bf16: bool) -> Vec<f32> {
-    if bf16 {
-        b.chunks_exact(2).map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect()
-    } else {
-        b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-    }
-}
+pub use kiln_runtime::numerics::{bytes_floats as floats, float_bytes as bytes};
 
 /// Asserts `emu` equals `cpu` under `kiln verify`'s tolerance for the dtype.
 pub fn check(what: &str, bf16: bool, emu: &[f32], cpu: &[f32]) {
@@ -74,4 +58,35 @@ pub fn assemble_within_budget(ptxas: &Path, name: &str, ptx: &str, dynamic_smem:
     assert!(r.spill_store_bytes == 0 && r.spill_load_bytes == 0, "{name} spills");
     assert!(r.registers <= 255 && r.smem_static_bytes + dynamic_smem <= 101_376, "{name}: {} registers, {} B shared memory", r.registers, r.smem_static_bytes + dynamic_smem);
     r
+}
+
+/// One NVFP4 linear of a kernel test: weights of `parts` (rows each, `k` inputs) drawn from `rng`
+/// and quantised as ModelOpt does, per-part input scales from the activations' amax (times
+/// `1 + 0.37 * part` when `split_scales`, times `scale_mul`), and the CPU's W4A4 output for `x`.
+pub struct Nvfp4Linear {
+    pub packed: Vec<u8>,
+    pub scales: Vec<u8>,
+    pub scale_2: Vec<f32>,
+    pub input_scale: Vec<f32>,
+    /// `[m, N]` (`[m, N/2]` with SiLU-mul).
+    pub want: Vec<f32>,
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn nvfp4_linear(rng: &mut Rng, x: &[f32], m: usize, k: usize, parts: &[usize], silu: bool, split_scales: bool, scale_mul: f32, out_bf16: bool) -> Nvfp4Linear {
+    let (mut packed, mut scales, mut scale_2) = (Vec::new(), Vec::new(), Vec::new());
+    for &rows in parts {
+        let w = randn(rng, rows * k, 0.05, false);
+        let (p, s, g) = kiln_runtime::numerics::quantize_nvfp4(&w, rows, k);
+        packed.extend(p);
+        scales.extend(s);
+        scale_2.push(g);
+    }
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let input_scale: Vec<f32> = (0..parts.len()).map(|p| amax / (6.0 * 448.0) * scale_mul * if split_scales { 1.0 + p as f32 * 0.37 } else { 1.0 }).collect();
+    let cols = if silu { parts[0] } else { parts.iter().sum() };
+    let mut want = vec![0f32; m * cols];
+    let epilogue = if silu { kiln_runtime::plan::Epilogue::SiluMul } else { kiln_runtime::plan::Epilogue::None };
+    kiln_runtime::cpu::reference::linear_nvfp4(x, m, &packed, &scales, k, parts, &scale_2, &input_scale, epilogue, out_bf16, &mut want);
+    Nvfp4Linear { packed, scales, scale_2, input_scale, want }
 }

@@ -6,7 +6,7 @@ use super::norm::rms_norm_row;
 use super::rope::Rope;
 use super::{Round, Tokens};
 use crate::error::RuntimeError;
-use crate::numerics::{bf16_to_f32, f32_to_bf16};
+use crate::numerics::{bytes_floats, float_bytes};
 use crate::plan::{DType, KvLayout};
 
 pub(crate) struct KvCache {
@@ -95,36 +95,21 @@ impl KvCache {
     /// Slots `0..slots` of one layer in the GPU byte layout (`KvLayout`): rows of
     /// `[latent | rope | index]` in `dtype` (BF16 or F32); slots not allocated yet are zeros.
     pub fn layer_bytes(&self, layer: usize, slots: usize, dtype: DType) -> Vec<u8> {
-        let mut out = Vec::with_capacity(slots * (self.latent_dim + self.rope_dim + self.index_dim) * dtype.size());
-        let zeros = vec![0f32; self.latent_dim.max(self.rope_dim).max(self.index_dim)];
-        for s in 0..slots {
-            let have = s < self.slots;
-            for (part, w) in [(0, self.latent_dim), (1, self.rope_dim), (2, self.index_dim)] {
-                let v: &[f32] = match (have, part) {
-                    (false, _) => &zeros[..w],
-                    (true, 0) => self.latent(layer, s),
-                    (true, 1) => self.rope(layer, s),
-                    _ => self.index(layer, s),
-                };
-                for &x in v {
-                    match dtype {
-                        DType::BF16 => out.extend(f32_to_bf16(x).to_le_bytes()),
-                        _ => out.extend(x.to_le_bytes()),
-                    }
-                }
-            }
+        let row = self.latent_dim + self.rope_dim + self.index_dim;
+        let mut vals = vec![0f32; slots * row];
+        for (s, r) in vals.chunks_exact_mut(row).enumerate().take(self.slots) {
+            r[..self.latent_dim].copy_from_slice(self.latent(layer, s));
+            r[self.latent_dim..self.latent_dim + self.rope_dim].copy_from_slice(self.rope(layer, s));
+            r[self.latent_dim + self.rope_dim..].copy_from_slice(self.index(layer, s));
         }
-        out
+        float_bytes(&vals, dtype == DType::BF16)
     }
 
     /// Loads one layer from the GPU byte layout (the inverse of `layer_bytes`; allocates the
     /// slots it covers).
     pub fn set_layer_bytes(&mut self, layer: usize, bytes: &[u8], dtype: DType) -> Result<(), RuntimeError> {
         let row = self.latent_dim + self.rope_dim + self.index_dim;
-        let vals: Vec<f32> = match dtype {
-            DType::BF16 => bytes.chunks_exact(2).map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect(),
-            _ => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-        };
+        let vals = bytes_floats(bytes, dtype == DType::BF16);
         let slots = vals.len() / row.max(1);
         self.reserve(slots)?;
         let (a, b) = (self.latent_dim, self.latent_dim + self.rope_dim);

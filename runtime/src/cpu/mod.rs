@@ -28,7 +28,7 @@ mod validate;
 
 use crate::bind::Arena;
 use crate::error::RuntimeError;
-use crate::numerics::{bf16_to_f32, round_bf16};
+use crate::numerics::{bytes_floats, round_bf16};
 use crate::plan::{AttentionForm, BufId, DType, LinearWeights, Op, Plan, Program, WeightId};
 use kv_cache::KvCache;
 use linear::{Linear, LinearScratch, Matrix};
@@ -297,7 +297,7 @@ impl CpuBackend {
                 })
             })
             .collect::<Result<Vec<_>, RuntimeError>>()?;
-        let rope = Rope::new(plan.model.qk_rope_head_dim, plan.model.rope_theta);
+        let rope = Rope::of_plan(&plan);
         let pool = rayon::ThreadPoolBuilder::new()
             .thread_name(|i| format!("kiln-cpu-{i}"))
             .build()
@@ -343,11 +343,6 @@ impl CpuBackend {
     /// The program the last replay ran (its buffers are what [`CpuBackend::buffer_f32`] shows).
     pub fn last_program(&self) -> Option<usize> {
         self.last
-    }
-
-    /// The RoPE table kernels read (`KvLayout::rope_table_bytes`), as F32 bytes.
-    pub fn rope_table_bytes(&self) -> Vec<u8> {
-        self.rope.table(self.plan.memory.kv.max_context).iter().flat_map(|v| v.to_le_bytes()).collect()
     }
 
     /// Slots of the KV cache allocated so far (per rank).
@@ -514,10 +509,8 @@ fn decode_small(plan: &Plan, arena: &[u8]) -> Result<Vec<Vec<f32>>, RuntimeError
                 .get(slot.offset as usize..(slot.offset + slot.bytes) as usize)
                 .ok_or_else(|| RuntimeError::internal(format!("slot `{}` lies outside the weights arena", slot.name)))?;
             Ok(match slot.dtype {
-                DType::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-                DType::BF16 if slot.shape.len() <= 1 => {
-                    bytes.chunks_exact(2).map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect()
-                }
+                DType::F32 => bytes_floats(bytes, false),
+                DType::BF16 if slot.shape.len() <= 1 => bytes_floats(bytes, true),
                 _ => Vec::new(),
             })
         })

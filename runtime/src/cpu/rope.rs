@@ -4,6 +4,9 @@
 //! transformers returns the rotated vector de-interleaved ([evens | odds]); kiln keeps the pairs in
 //! place. Dot products are identical because q and k always get the same layout.
 
+use crate::numerics::float_bytes;
+use crate::plan::Plan;
+
 pub struct Rope {
     /// `1 / theta^(2i/d)` for i in 0..d/2, computed in f32 exactly as transformers does.
     inv_freq: Vec<f32>,
@@ -16,8 +19,19 @@ impl Rope {
         Rope { inv_freq }
     }
 
+    /// The rotation of a plan's model (`qk_rope_head_dim`, `rope_theta`).
+    pub fn of_plan(plan: &Plan) -> Rope {
+        Rope::new(plan.model.qk_rope_head_dim, plan.model.rope_theta)
+    }
+
+    /// The GPU's RoPE table of `plan` as F32 bytes (`KvLayout::rope_table_bytes`): `table` for
+    /// every position below the plan's `max_context`.
+    pub fn plan_table_bytes(plan: &Plan) -> Vec<u8> {
+        float_bytes(&Rope::of_plan(plan).table(plan.memory.kv.max_context), false)
+    }
+
     /// `(cos, sin)` of every pair for positions `0..rows`, F32 `[rows, dim / 2, 2]`: the GPU's
-    /// RoPE table (`KvLayout::rope_table_bytes`), the same values `apply` rotates by.
+    /// RoPE table, the same values `apply` rotates by.
     pub fn table(&self, rows: usize) -> Vec<f32> {
         let mut t = Vec::with_capacity(rows * self.inv_freq.len() * 2);
         for pos in 0..rows {

@@ -121,6 +121,13 @@ impl GlobalMemory {
         out
     }
 
+    /// `len` bytes of buffer `id` from byte `offset` (panics outside the buffer: host misuse).
+    pub fn read_at(&self, id: BufferId, offset: usize, len: usize) -> Vec<u8> {
+        let b = &self.bufs[id.0];
+        assert!(offset + len <= b.len, "read of {len} B at {offset} overflows buffer '{}' ({} B)", b.name, b.len);
+        (offset..offset + len).map(|p| (b.words[p / 8].load(Ordering::Relaxed) >> ((p % 8) * 8)) as u8).collect()
+    }
+
     pub fn read_f32(&self, id: BufferId) -> Vec<f32> {
         self.read(id).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
     }

@@ -168,6 +168,11 @@ impl Op {
         }
     }
 
+    /// Whether the op writes the KV cache (its result is there, not in a buffer).
+    pub fn writes_kv_cache(&self) -> bool {
+        matches!(self, Op::MlaKvWrite { .. } | Op::IndexerKeyWrite { .. })
+    }
+
     /// Written buffers that are only kernel scratch: their contents are not a result of the op
     /// (the CPU backend leaves them alone; `verify` does not compare them).
     pub fn scratch(&self) -> Vec<BufId> {

@@ -11,7 +11,7 @@
 
 use super::{fits, float_flag, numel, of_grid, Cx, Instance, THREADS};
 use crate::kernels::{LinearBf16GemmArgs, LinearBf16GemmParams, LinearNvfp4GemmArgs, LinearNvfp4GemmParams, Ptr};
-use kiln_runtime::plan::{Epilogue, LinearWeights, Op};
+use kiln_runtime::plan::{LinearWeights, Op};
 
 /// Activation rows per block of both tiled GEMMs.
 pub const GEMM_BM: usize = 64;
@@ -67,12 +67,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let u = |v: usize| v as u32;
     match *weights {
         LinearWeights::Bf16 { weight } => {
-            if epilogue != Epilogue::None {
-                return Err("the BF16 GEMM has no SiLU-mul epilogue".into());
-            }
-            if k % 8 != 0 {
-                return Err(format!("K = {k} is not a multiple of 8 (16-byte rows)"));
-            }
+            super::bf16_linear_shape(k, epilogue, "GEMM")?;
             // Decode-sized M: split K over the warps of small blocks, enough of them to keep the
             // weights streaming. Else 128-row blocks halve the weight traffic of long prefills;
             // F32 activations (three BF16 planes) and short ones keep 64 rows.

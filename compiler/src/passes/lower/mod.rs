@@ -197,6 +197,18 @@ pub(crate) fn float_flag(dtype: DType, what: &str) -> Result<u32, String> {
     }
 }
 
+/// What the BF16 GEMV and GEMM templates both require of a linear: no epilogue (the CPU has no
+/// BF16 SiLU-mul either) and K a multiple of 8 (16-byte weight rows).
+pub(crate) fn bf16_linear_shape(k: usize, epilogue: Epilogue, form: &str) -> Result<(), String> {
+    if epilogue != Epilogue::None {
+        return Err(format!("the BF16 {form} has no SiLU-mul epilogue"));
+    }
+    if k % 8 != 0 {
+        return Err(format!("K = {k} is not a multiple of 8 (16-byte rows)"));
+    }
+    Ok(())
+}
+
 /// What the NVFP4 GEMV and GEMM templates both require of a linear: sm_120a, K a multiple of the
 /// 16-value block, one or two parts, and two equal parts for SiLU-mul. Returns whether SiLU-mul.
 pub(crate) fn nvfp4_linear_shape(arch: u32, k: usize, parts: &[LinearPart], epilogue: Epilogue, form: &str) -> Result<bool, String> {
@@ -270,19 +282,14 @@ fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Re
         Op::Linear { input, ref weights, ref parts, k, epilogue, out } => {
             let m = numel(p, input) / k.max(1);
             if m > GEMV_MAX_M {
-                return Err(format!("M > {GEMV_MAX_M} (prefill) needs the tiled mma GEMM, not templated yet"));
+                return Err(format!("M > {GEMV_MAX_M} is the tiled GEMM's"));
             }
             let x_bf16 = float_flag(p.buffer(input).dtype, "the input")?;
             let out_bf16 = float_flag(p.buffer(out).dtype, "the output")?;
             let n: usize = parts.iter().map(|q| q.rows).sum();
             match *weights {
                 LinearWeights::Bf16 { weight } => {
-                    if epilogue != Epilogue::None {
-                        return Err("the BF16 GEMV has no SiLU-mul epilogue yet".into());
-                    }
-                    if k % 8 != 0 {
-                        return Err(format!("K = {k} is not a multiple of 8"));
-                    }
+                    bf16_linear_shape(k, epilogue, "GEMV")?;
                     fits(m * k * if x_bf16 == 1 { 2 } else { 4 }, smem_limit, &format!("a BF16 GEMV with M = {m}, K = {k}"))?;
                     let params = LinearBf16GemvParams {
                         arch,
