@@ -5,7 +5,6 @@
 
 pub mod bind;
 pub mod cpu;
-pub mod emu;
 pub mod emu_backend;
 pub mod engine;
 pub mod error;
@@ -16,5 +15,7 @@ pub mod safetensors;
 pub mod session;
 pub mod verify;
 
+/// The PTX emulator (its own crate, so the CUDA driver double links only it).
+pub use kiln_emu as emu;
 pub use error::RuntimeError;
 pub use plan::{Plan, PlanError, FORMAT_VERSION};

@@ -20,7 +20,7 @@
 use super::convert::f16_to_f32;
 use super::ir::{Mma, MmaKind};
 use super::warp::{LaunchCtx, Warp};
-use crate::numerics::{bf16_to_f32, e2m1_to_f32, e4m3_to_f32};
+use crate::formats::{bf16_to_f32, e2m1_to_f32, e4m3_to_f32};
 
 fn ue8m0(code: u8) -> f64 {
     if code == 0xFF {

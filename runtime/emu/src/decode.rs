@@ -108,14 +108,14 @@ fn imm_bits(v: &ROp, ty: Ty) -> R<u64> {
         (ROp::Int(i), _) => (*i as u64) & m,
         (ROp::F32(b), Ty::F64) => (f32::from_bits(*b) as f64).to_bits(),
         (ROp::F32(b), Ty::F16) => f32_to_f16(f32::from_bits(*b)) as u64,
-        (ROp::F32(b), Ty::BF16) => crate::numerics::f32_to_bf16(f32::from_bits(*b)) as u64,
+        (ROp::F32(b), Ty::BF16) => crate::formats::f32_to_bf16(f32::from_bits(*b)) as u64,
         (ROp::F32(b), t) if t.bits() == 32 => *b as u64,
         (ROp::F64(b), Ty::F32) => (f64::from_bits(*b) as f32).to_bits() as u64,
         (ROp::F64(b), t) if t.bits() == 64 => *b,
         (ROp::Float(f), Ty::F32) => (*f as f32).to_bits() as u64,
         (ROp::Float(f), Ty::F64) => f.to_bits(),
         (ROp::Float(f), Ty::F16) => f32_to_f16(*f as f32) as u64,
-        (ROp::Float(f), Ty::BF16) => crate::numerics::f32_to_bf16(*f as f32) as u64,
+        (ROp::Float(f), Ty::BF16) => crate::formats::f32_to_bf16(*f as f32) as u64,
         (v, t) => return Err(format!("immediate {v:?} does not fit a .{} operand", t.name())),
     })
 }

@@ -1,8 +1,8 @@
-//! `cvt` semantics. BF16, E4M3 and E2M1 encodings come from `crate::numerics` (bit-exact RNE,
+//! `cvt` semantics. BF16, E4M3 and E2M1 encodings come from `crate::formats` (bit-exact RNE,
 //! satfinite); IEEE half is implemented here. Values are raw register bits in and out.
 
 use super::ir::{mask_bits, sext, CvtKind, IntRound, Packed, Ty};
-use crate::numerics::{bf16_to_f32, e2m1_to_f32, e4m3_to_f32, f32_to_bf16, f32_to_e2m1, f32_to_e4m3};
+use crate::formats::{bf16_to_f32, e2m1_to_f32, e4m3_to_f32, f32_to_bf16, f32_to_e2m1, f32_to_e4m3};
 
 /// f32 to IEEE binary16, round to nearest even; overflow to infinity, NaN to a quiet NaN.
 pub fn f32_to_f16(x: f32) -> u16 {

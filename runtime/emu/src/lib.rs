@@ -34,13 +34,13 @@
 //! * special registers `%tid %ntid %ctaid %nctaid %laneid %warpid %nwarpid %lanemask_*
 //!   %dynamic_smem_size %total_smem_size`.
 //!
-//! Numerics: rounding conversions are bit-exact (`crate::numerics` for bf16/e4m3/e2m1, IEEE half
+//! Numerics: rounding conversions are bit-exact (`crate::formats` for bf16/e4m3/e2m1, IEEE half
 //! here); `mma` forms exact products and rounds the f64 sum once to f32 (the ISA leaves the
 //! accumulation order open); `.approx` functions are computed to f32 precision, inside the ISA's
 //! error bounds.
 //!
 //! ```no_run
-//! use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, Module};
+//! use kiln_emu::{launch, GlobalMemory, KernelArg, Module};
 //! let m = Module::parse(&std::fs::read_to_string("k.ptx").unwrap(), "k.ptx").unwrap();
 //! let mut g = GlobalMemory::new();
 //! let out = g.alloc("out", 4 * 256);
@@ -57,6 +57,7 @@ mod decode;
 mod decode_alu;
 mod decode_cvt;
 mod decode_mma;
+pub mod formats;
 pub mod ir;
 mod launch;
 mod lexer;
@@ -68,7 +69,7 @@ mod special;
 mod warp;
 
 pub use convert::{f16_to_f32, f32_to_f16};
-pub use launch::{launch, KernelArg, LaunchStats, MAX_SHARED_PER_BLOCK, MAX_THREADS_PER_BLOCK};
+pub use launch::{launch, launch_params, KernelArg, LaunchStats, MAX_SHARED_PER_BLOCK, MAX_THREADS_PER_BLOCK};
 pub use memory::{BufferId, GlobalMemory, GLOBAL_BASE, SHARED_WINDOW};
 pub use parser::{Entry, Module, Param};
 pub use warp::Counters;

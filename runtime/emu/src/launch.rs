@@ -80,9 +80,32 @@ impl LaunchStats {
 ///
 /// `smem_bytes` is the dynamic shared memory of the launch (for `.extern .shared` arrays).
 /// Pointers to `global` buffers are passed as `KernelArg::U64(global.addr(id))`.
-pub fn launch(module: &Module, entry: &str, grid: [u32; 3], block: [u32; 3], smem_bytes: u32, args: &[KernelArg], global: &mut GlobalMemory) -> Result<LaunchStats, EmuError> {
+pub fn launch(module: &Module, entry: &str, grid: [u32; 3], block: [u32; 3], smem_bytes: u32, args: &[KernelArg], global: &GlobalMemory) -> Result<LaunchStats, EmuError> {
     let e = module.entry(entry)?;
     let bad = |m: String| Err(EmuError::Launch(format!("launch of '{entry}': {m}")));
+    if args.len() != e.params.len() {
+        return bad(format!("{} argument(s) given, kernel takes {} ({})", args.len(), e.params.len(), e.params.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", ")));
+    }
+    let mut params = vec![0u8; e.param_bytes];
+    for (i, (p, a)) in e.params.iter().zip(args).enumerate() {
+        let b = a.bytes();
+        if b.len() != p.size || (matches!(a, KernelArg::Bytes(_)) && p.ty.is_some()) {
+            let ty = p.ty.map(|t| format!(".{}", t.name())).unwrap_or_else(|| "byte array".into());
+            return bad(format!("argument {} ({}) does not match parameter '{}' ({ty}, {} B)", i + 1, a.describe(), p.name, p.size));
+        }
+        params[p.offset..p.offset + p.size].copy_from_slice(&b);
+    }
+    launch_params(module, entry, grid, block, smem_bytes, &params, global)
+}
+
+/// [`launch`] with the `.param` space already marshalled (`params`: the entry's `param_bytes`,
+/// each parameter at its `Param::offset`), as a driver receives it.
+pub fn launch_params(module: &Module, entry: &str, grid: [u32; 3], block: [u32; 3], smem_bytes: u32, params: &[u8], global: &GlobalMemory) -> Result<LaunchStats, EmuError> {
+    let e = module.entry(entry)?;
+    let bad = |m: String| Err(EmuError::Launch(format!("launch of '{entry}': {m}")));
+    if params.len() != e.param_bytes {
+        return bad(format!("{} B of parameters given, the kernel's .param space is {} B", params.len(), e.param_bytes));
+    }
     if grid.contains(&0) || block.contains(&0) {
         return bad(format!("grid {grid:?} and block {block:?} must be non-zero"));
     }
@@ -107,21 +130,8 @@ pub fn launch(module: &Module, entry: &str, grid: [u32; 3], block: [u32; 3], sme
     if smem_total > MAX_SHARED_PER_BLOCK as u64 {
         return bad(format!("{smem_total} B of shared memory per block ({} static + {smem_bytes} dynamic) exceeds the SM120 limit of {MAX_SHARED_PER_BLOCK} B", e.shared_static));
     }
-    if args.len() != e.params.len() {
-        return bad(format!("{} argument(s) given, kernel takes {} ({})", args.len(), e.params.len(), e.params.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", ")));
-    }
-    let mut params = vec![0u8; e.param_bytes];
-    for (i, (p, a)) in e.params.iter().zip(args).enumerate() {
-        let b = a.bytes();
-        if b.len() != p.size || (matches!(a, KernelArg::Bytes(_)) && p.ty.is_some()) {
-            let ty = p.ty.map(|t| format!(".{}", t.name())).unwrap_or_else(|| "byte array".into());
-            return bad(format!("argument {} ({}) does not match parameter '{}' ({ty}, {} B)", i + 1, a.describe(), p.name, p.size));
-        }
-        params[p.offset..p.offset + p.size].copy_from_slice(&b);
-    }
     let geo = Geometry { grid, block, smem_dynamic: smem_bytes, smem_total: smem_total as u32 };
-    let global: &GlobalMemory = global;
-    let lc = LaunchCtx { entry: e, global, params: &params, geo };
+    let lc = LaunchCtx { entry: e, global, params, geo };
     let nblocks = grid[0] as u64 * grid[1] as u64 * grid[2] as u64;
     let start = Instant::now();
     let results: Vec<Result<Counters, EmuError>> = (0..nblocks)

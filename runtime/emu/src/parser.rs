@@ -719,7 +719,7 @@ fn show(t: &Tok) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::emu::ir::{Op, Operand, Symbol};
+    use crate::ir::{Op, Operand, Symbol};
 
     const HEAD: &str = ".version 8.7\n.target sm_120a\n.address_size 64\n";
 
