@@ -1,0 +1,205 @@
+#!/usr/bin/env bash
+# The one check of kiln's whole CUDA path on whatever GPU this machine has (RTX PRO 6000 /
+# sm_120a, H200 / sm_90a), in minutes:
+#   kiln doctor -> synthesise + compile the demo model and the golden tiny models for the GPU's
+#   arch -> kiln verify --backend cuda (step by step against the CPU) -> kiln logits cuda vs cpu
+#   (prefill and --decode, rel-L2 per row) -> kiln serve --backend cuda + kiln bench at several
+#   concurrencies -> decode tok/s of cuda and cpu in the same run; graph build time and weight
+#   upload GB/s from the backend's log.
+#
+# Usage: scripts/gpu-check.sh [--quick]
+#   KILN_BIN=/path/to/kiln   a prebuilt (stripped) kiln; without it the script builds one (needs cargo)
+#   OUT=/dir                 where the report goes (summary.json + logs); default target/gpu-check
+# Needs only bash, coreutils, curl-free bash networking and python3 (standard library). Without a
+# GPU it exits non-zero saying so. Under scripts/with-cuda-double.sh it runs on the driver double
+# (slowly: the kernels execute on the PTX emulator), which is how CI rehearses it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+
+quick=0
+case "${1:-}" in
+  --quick) quick=1 ;;
+  "") ;;
+  *) echo "usage: scripts/gpu-check.sh [--quick]" >&2; exit 2 ;;
+esac
+
+out=${OUT:-$root/target/gpu-check}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+work=$(mktemp -d "${TMPDIR:-/tmp}/kiln-gpu-check.XXXXXX")
+trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
+start=$(date +%s)
+# Wall-time budget: 8 minutes (3 with --quick); later stages are skipped, not run late.
+budget=$(( quick ? 170 : 470 ))
+python=${PYTHON:-python3}
+
+results="$out/results.jsonl"
+: > "$results"
+failed=0
+# record NAME STATUS [JSON-OBJECT-OF-FIGURES]
+record() {
+  local figures=${3:-"{}"}
+  printf '{"stage":"%s","status":"%s","figures":%s}\n' "$1" "$2" "$figures" >> "$results"
+  [ "$2" = ok ] || [ "$2" = skipped ] || failed=1
+  echo "[$(( $(date +%s) - start ))s] $1: $2" >&2
+}
+time_left() { echo $(( budget - ($(date +%s) - start) )); }
+# run STAGE SECONDS CMD... : runs CMD with a timeout no later than the budget, log in $out/STAGE.log
+run() {
+  local stage=$1 limit=$2; shift 2
+  local left; left=$(time_left)
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -le 5 ]; then return 124; fi
+  timeout "$limit" "$@" >> "$out/$stage.log" 2>&1
+}
+
+# ---- the binary -----------------------------------------------------------------------------
+kiln=${KILN_BIN:-}
+if [ -z "$kiln" ]; then
+  if ! command -v cargo >/dev/null; then
+    echo "gpu-check: set KILN_BIN to a prebuilt kiln (no cargo here to build one)" >&2
+    exit 2
+  fi
+  cargo build --release --quiet --bin kiln || exit 2
+  kiln=$root/target/release/kiln
+fi
+
+# ---- the GPU --------------------------------------------------------------------------------
+if ! "$kiln" doctor --json > "$out/doctor.json" 2> "$out/doctor.log"; then
+  if ! "$python" -c 'import json,sys; d=json.load(open(sys.argv[1])); sys.exit(0 if d.get("gpus") else 1)' "$out/doctor.json" 2>/dev/null; then
+    echo "gpu-check: no usable GPU on this machine (kiln doctor: $(tail -1 "$out/doctor.log"))" >&2
+    echo "gpu-check: FAIL no GPU" 
+    exit 1
+  fi
+fi
+read -r arch gpus gpu_name < <("$python" - "$out/doctor.json" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+g = d["gpus"]
+cc = tuple(g[0]["compute_capability"])
+arch = {(12, 0): "sm_120a", (9, 0): "sm_90a"}.get(cc, "unsupported")
+print(arch, len(g), g[0]["name"].replace(" ", "_"))
+EOF
+)
+if [ "$arch" = unsupported ]; then
+  echo "gpu-check: FAIL the GPU ($gpu_name) is neither sm_120a nor sm_90a" >&2
+  exit 1
+fi
+record doctor ok "{\"arch\":\"$arch\",\"gpus\":$gpus,\"name\":\"$gpu_name\"}"
+
+# ---- models ---------------------------------------------------------------------------------
+# The demo model, and the oracle's golden checkpoints (other shapes: groups, flat quant config).
+tp=1
+[ "$gpus" -ge 2 ] && [ "$quick" = 0 ] && tp=2
+compile() { # NAME CKPT TP
+  run compile 120 "$kiln" compile "$2" --target "$arch" --tp "$3" --decode-batches 1,2,4,8,16 \
+    --prefill-chunk 64 --max-context 512 -o "$work/$1"
+}
+run synth 60 "$kiln" synth tiny -o "$work/tiny-ckpt" || record synth fail
+models=(demo)
+compile demo "$work/tiny-ckpt" "$tp" || record compile-demo fail
+if [ "$quick" = 0 ]; then
+  for g in nvfp4_groups nvfp4_flatcfg; do
+    compile "$g" "$root/tests/goldens/$g/ckpt" "$tp" && models+=("$g") || record "compile-$g" fail
+  done
+fi
+record compile ok "{\"models\":\"${models[*]}\",\"tp\":$tp}"
+
+# ---- verify: every program, step by step against the CPU backend -----------------------------
+for m in "${models[@]}"; do
+  if [ "$quick" = 1 ]; then
+    run verify 90 "$kiln" verify "$work/$m" --backend cuda --program decode_1 && s=ok || s=fail
+  else
+    run verify 150 "$kiln" verify "$work/$m" --backend cuda && s=ok || s=fail
+  fi
+  record "verify-$m" "$s"
+done
+
+# ---- logits: cuda against cpu on the same artifact ---------------------------------------------
+ids=$(seq -s, 1 7 90 | sed 's/,$//')
+[ "$quick" = 1 ] && ids=1,8,15,22,29,36
+for m in "${models[@]}"; do
+  for mode in prefill decode; do
+    flag=(); [ "$mode" = decode ] && flag=(--decode)
+    if run logits 120 "$kiln" logits "$work/$m" --ids "$ids" "${flag[@]}" --backend cuda --out "$work/$m-$mode-cuda.st" &&
+       run logits 120 "$kiln" logits "$work/$m" --ids "$ids" "${flag[@]}" --backend cpu --out "$work/$m-$mode-cpu.st"; then
+      fig=$("$python" scripts/compare_logits.py "$work/$m-$mode-cuda.st" "$work/$m-$mode-cpu.st" | "$python" -c '
+import json, sys; d = json.load(sys.stdin); d.pop("rel_l2"); print(json.dumps(d))')
+      # The CPU backend is the reference: same BF16 storage and NVFP4 quantisation, so the median
+      # row agrees to ~1e-7; a wrong layout or a broken collective is of order 1.
+      ok=$("$python" -c 'import json,sys; d=json.loads(sys.argv[1]); print("ok" if d["median_rel_l2"] <= 1e-5 else "fail")' "$fig")
+      record "logits-$m-$mode" "$ok" "$fig"
+    else
+      record "logits-$m-$mode" fail
+    fi
+  done
+done
+
+# ---- serving: kiln serve --backend cuda + kiln bench ------------------------------------------
+port=$(( 20000 + RANDOM % 20000 ))
+"$kiln" serve "$work/demo" --backend cuda --port "$port" > "$out/serve.log" 2>&1 &
+serve_pid=$!
+healthy=0
+for _ in $(seq 1 240); do
+  if (exec 3<>"/dev/tcp/127.0.0.1/$port" && printf 'GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n' >&3 && head -1 <&3 | grep -q ' 200 ') 2>/dev/null; then
+    healthy=1; break
+  fi
+  kill -0 "$serve_pid" 2>/dev/null || break
+  sleep 0.5
+done
+if [ "$healthy" = 1 ]; then
+  record serve ok
+  if [ "$quick" = 1 ]; then levels=(1 4); n=4; in_len=16; out_len=4; else levels=(1 16 64); n=64; in_len=128; out_len=64; fi
+  for c in "${levels[@]}"; do
+    if run bench 150 "$kiln" bench --port "$port" --num-prompts "$n" --max-concurrency "$c" \
+         --random-input-len "$in_len" --random-output-len "$out_len" --json > "$out/bench-c$c.json" 2>> "$out/bench.log"; then
+      record "bench-c$c" ok "$(cat "$out/bench-c$c.json")"
+    else
+      record "bench-c$c" fail
+    fi
+  done
+else
+  record serve fail
+fi
+kill "$serve_pid" 2>/dev/null; wait "$serve_pid" 2>/dev/null
+# What the backend logged while starting: graph build time and weight upload rate.
+startup=$("$python" - "$out/serve.log" <<'EOF'
+import json, re, sys
+text = open(sys.argv[1], errors="replace").read()
+def grab(pattern):
+    m = re.search(pattern, text)
+    return float(m.group(1)) if m else None
+print(json.dumps({"graphs_s": grab(r"graphs? .*?in ([0-9.]+) ?s"), "upload_gb_s": grab(r"([0-9.]+) GB/s")}))
+EOF
+)
+record startup ok "$startup"
+
+# ---- decode speed: cuda and cpu in the same run ---------------------------------------------------
+tokens=$(( quick ? 8 : 128 ))
+for b in cuda cpu; do
+  if run "decode-$b" 120 "$kiln" run "$work/demo" --backend "$b" --prompt "The quick brown fox" --max-tokens "$tokens"; then
+    tps=$(grep -Eo '[0-9.]+ tok(ens)?/s' "$out/decode-$b.log" | tail -1 | grep -Eo '^[0-9.]+')
+    record "decode-$b" ok "{\"tokens\":$tokens,\"tok_s\":${tps:-null}}"
+  else
+    record "decode-$b" fail
+  fi
+done
+
+# ---- summary ----------------------------------------------------------------------------------
+elapsed=$(( $(date +%s) - start ))
+"$python" - "$results" "$out/summary.json" "$elapsed" "$arch" "$gpu_name" "$quick" <<'EOF'
+import json, sys
+stages = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+summary = {
+    "date": __import__("datetime").datetime.now(__import__("datetime").timezone.utc).isoformat(timespec="seconds"),
+    "arch": sys.argv[4], "gpu": sys.argv[5].replace("_", " "), "quick": sys.argv[6] == "1",
+    "elapsed_s": int(sys.argv[3]),
+    "passed": all(s["status"] in ("ok", "skipped") for s in stages),
+    "stages": stages,
+}
+json.dump(summary, open(sys.argv[2], "w"), indent=1)
+EOF
+verdict=PASS; [ "$failed" = 0 ] || verdict=FAIL
+echo "gpu-check: $verdict on $gpu_name ($arch), $(grep -c . "$results") stages in ${elapsed}s; report in $out/summary.json"
+[ "$failed" = 0 ]
