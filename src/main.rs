@@ -40,6 +40,7 @@ enum Command {
     Bench(commands::bench::Args),
     Verify(commands::verify::Args),
     Emu(commands::emu::Args),
+    Doctor(commands::doctor::Args),
 }
 
 fn main() -> ExitCode {
@@ -54,6 +55,7 @@ fn main() -> ExitCode {
         Command::Logits(a) => commands::logits::run(a),
         Command::Synth(a) => commands::synth::run(a),
         Command::Verify(a) => commands::verify::run(a),
+        Command::Doctor(a) => commands::doctor::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -224,7 +224,15 @@ fn fill_slot(plan: &Plan, files: &CheckpointFiles, slot: &WeightSlot, rank: usiz
     let slot_end = slot.offset.checked_add(slot.bytes).filter(|&e| e <= arena.len() as u64).ok_or_else(|| {
         RuntimeError::internal(format!("slot `{}` ({} bytes at {}) lies outside the weights arena", slot.name, slot.bytes, slot.offset))
     })?;
-    let region = &mut arena[slot.offset as usize..slot_end as usize];
+    fill_slot_region(plan, files, slot, rank, &mut arena[slot.offset as usize..slot_end as usize])
+}
+
+/// Fills one slot of rank `rank` into `region` (the slot's `bytes`, zeroed by the caller: the
+/// bytes no source covers stay zero), e.g. a pinned staging buffer bound for a GPU.
+pub fn fill_slot_region(plan: &Plan, files: &CheckpointFiles, slot: &WeightSlot, rank: usize, region: &mut [u8]) -> Result<(), RuntimeError> {
+    if region.len() as u64 != slot.bytes {
+        return Err(RuntimeError::internal(format!("slot `{}` is {} bytes, its region {}", slot.name, slot.bytes, region.len())));
+    }
     for src in &slot.sources {
         let index = src.tensor.for_rank(rank) as usize;
         let info = plan

@@ -36,6 +36,10 @@ pub enum RuntimeError {
     KvFull { message: String },
     #[error("{message}")]
     Unsupported { message: String },
+    /// The GPU, its driver or NCCL refused or failed (a missing driver, the wrong hardware, a
+    /// kernel fault).
+    #[error("{message}")]
+    Gpu { message: String },
 
     // ---- kiln is at fault ----
     #[error("internal runtime error: {message} (this is a kiln bug)")]

@@ -5,6 +5,7 @@
 
 pub mod bind;
 pub mod cpu;
+pub mod cuda;
 pub mod emu_backend;
 pub mod engine;
 pub mod error;

@@ -4,6 +4,7 @@
 
 use crate::bind::bind;
 use crate::cpu::{CpuBackend, CpuOptions, Inputs};
+use crate::cuda::CudaBackend;
 use crate::emu_backend::EmuBackend;
 use crate::engine::forward::{DecodeItem, Forward};
 use crate::engine::pages::PageAllocator;
@@ -30,12 +31,15 @@ pub enum BackendKind {
     Cpu,
     /// The PTX emulator (executes the plan's kernels; needs a GPU-target plan).
     Emu,
+    /// The GPUs, through the CUDA driver (programs replayed as CUDA graphs).
+    Cuda,
 }
 
 /// The backend a [`Runner`] drives.
 pub enum Backend {
     Cpu(CpuBackend),
     Emu(EmuBackend),
+    Cuda(CudaBackend),
 }
 
 impl Backend {
@@ -43,6 +47,15 @@ impl Backend {
         match self {
             Backend::Cpu(b) => b.plan(),
             Backend::Emu(b) => b.plan(),
+            Backend::Cuda(b) => b.plan(),
+        }
+    }
+
+    /// Why the backend can run nothing any more (a GPU fault), if that happened.
+    pub fn failure(&self) -> Option<&str> {
+        match self {
+            Backend::Cuda(b) => b.failure(),
+            _ => None,
         }
     }
 
@@ -50,6 +63,7 @@ impl Backend {
         match self {
             Backend::Cpu(b) => b.run(index, inputs),
             Backend::Emu(b) => b.run(index, inputs),
+            Backend::Cuda(b) => b.run(index, inputs),
         }
     }
 }
@@ -124,14 +138,26 @@ impl Runner {
     pub fn open(artifact: &Path, weights: Option<&Path>, opts: SessionOptions) -> Result<Runner, RuntimeError> {
         let plan = read_plan(artifact)?;
         let dir = weights_dir(artifact, weights)?;
-        Runner::from_plan(plan, &dir, opts)
+        Runner::load(plan, Some(artifact), &dir, opts)
     }
 
     pub fn from_plan(plan: Plan, weights: &Path, opts: SessionOptions) -> Result<Runner, RuntimeError> {
-        let arenas = bind(&plan, weights, opts.progress)?;
+        Runner::load(plan, None, weights, opts)
+    }
+
+    /// `artifact`, when known, holds the kernels' cubins (the CUDA backend loads them).
+    fn load(plan: Plan, artifact: Option<&Path>, weights: &Path, opts: SessionOptions) -> Result<Runner, RuntimeError> {
         let backend = match opts.backend {
-            BackendKind::Cpu => Backend::Cpu(CpuBackend::new(plan, arenas, opts.cpu)?),
-            BackendKind::Emu => Backend::Emu(EmuBackend::new(plan, arenas)?),
+            // Uploads from the mapped checkpoint itself: no host copy of the weights.
+            BackendKind::Cuda => Backend::Cuda(CudaBackend::new(plan, artifact, weights, opts.progress)?),
+            BackendKind::Cpu => {
+                let arenas = bind(&plan, weights, opts.progress)?;
+                Backend::Cpu(CpuBackend::new(plan, arenas, opts.cpu)?)
+            }
+            BackendKind::Emu => {
+                let arenas = bind(&plan, weights, opts.progress)?;
+                Backend::Emu(EmuBackend::new(plan, arenas)?)
+            }
         };
         Ok(Runner { backend, inputs: Inputs::default(), out: Vec::new() })
     }
@@ -148,14 +174,14 @@ impl Runner {
     pub fn cpu(&self) -> Option<&CpuBackend> {
         match &self.backend {
             Backend::Cpu(b) => Some(b),
-            Backend::Emu(_) => None,
+            _ => None,
         }
     }
 
     pub fn cpu_mut(&mut self) -> Option<&mut CpuBackend> {
         match &mut self.backend {
             Backend::Cpu(b) => Some(b),
-            Backend::Emu(_) => None,
+            _ => None,
         }
     }
 
@@ -339,6 +365,9 @@ impl Forward for Runner {
     }
     fn max_prefill_chunk(&self) -> usize {
         Runner::max_prefill_chunk(self)
+    }
+    fn failure(&self) -> Option<String> {
+        self.backend.failure().map(str::to_string)
     }
     fn prefill(&mut self, pages: &[u32], start: usize, tokens: &[u32]) -> Result<Vec<f32>, String> {
         Runner::prefill(self, pages, start, tokens, LogitRows::Last).map(<[f32]>::to_vec).map_err(|e| e.to_string())

@@ -65,7 +65,7 @@ impl Comparison {
     }
 }
 
-fn encode(dtype: DType, v: &Values) -> Result<Vec<u8>, String> {
+pub(crate) fn encode(dtype: DType, v: &Values) -> Result<Vec<u8>, String> {
     Ok(match (dtype, v) {
         (DType::BF16 | DType::F32, Values::F32(x)) => float_bytes(x, dtype == DType::BF16),
         (DType::I32, Values::I32(x)) => x.iter().flat_map(|i| i.to_le_bytes()).collect(),
@@ -73,7 +73,7 @@ fn encode(dtype: DType, v: &Values) -> Result<Vec<u8>, String> {
     })
 }
 
-fn decode(dtype: DType, bytes: &[u8]) -> Values {
+pub(crate) fn decode(dtype: DType, bytes: &[u8]) -> Values {
     match dtype {
         DType::I32 => Values::I32(bytes.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()),
         _ => Values::F32(bytes_floats(bytes, dtype == DType::BF16)),

@@ -32,8 +32,9 @@ pub struct Args {
     /// Storage precision of BF16 buffers: bf16 (as the GPU) or f32 (for fp32 references).
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
     precision: String,
-    /// Execution backend: cpu (reference) or emu (the plan's PTX kernels on the emulator; needs
-    /// an artifact compiled for a GPU target, and is slow).
+    /// Execution backend: cpu (reference), emu (the plan's PTX kernels on the emulator; needs an
+    /// artifact compiled for a GPU target, and is slow) or cuda (the GPUs; checks the machine
+    /// against the plan first; `kiln doctor` tells what a machine has).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "emu", "cuda"])]
     backend: String,
 }

@@ -33,8 +33,9 @@ pub struct Args {
     pub top_k: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Execution backend: cpu (reference) or emu (the plan's PTX kernels on the emulator; needs
-    /// an artifact compiled for a GPU target, and is slow).
+    /// Execution backend: cpu (reference), emu (the plan's PTX kernels on the emulator; needs an
+    /// artifact compiled for a GPU target, and is slow) or cuda (the GPUs; checks the machine
+    /// against the plan first; `kiln doctor` tells what a machine has).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "emu", "cuda"])]
     pub backend: String,
 }

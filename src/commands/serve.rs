@@ -24,8 +24,9 @@ pub struct Args {
     host: String,
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// Execution backend: cpu (reference) or emu (the plan's PTX kernels on the emulator: a
-    /// functional check of a GPU-target artifact, far too slow to serve traffic).
+    /// Execution backend: cpu (reference), emu (the plan's PTX kernels on the emulator: a
+    /// functional check of a GPU-target artifact, far too slow to serve traffic) or cuda (the
+    /// GPUs, programs replayed as CUDA graphs).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "emu", "cuda"])]
     backend: String,
     /// Model name clients send and /v1/models lists (default: the artifact directory's name).

@@ -87,7 +87,7 @@ impl Generation {
         loaded.engine.submit(request, Box::new(move |e| tx.send(e).is_ok())).map_err(|r| match r {
             Rejected::Invalid(m) => ApiError::invalid(m, None),
             Rejected::QueueFull { .. } => ApiError::busy(r.to_string()),
-            Rejected::Stopped => ApiError::unavailable(r.to_string()),
+            Rejected::Stopped | Rejected::Failed(_) => ApiError::unavailable(r.to_string()),
         })?;
         Ok(Generation {
             rx,

@@ -82,6 +82,9 @@ async fn health(State(state): State<AppState>) -> Response {
         Some(l) if l.engine.stats.stopped.load(std::sync::atomic::Ordering::SeqCst) => {
             (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "engine stopped"}))).into_response()
         }
+        Some(l) if l.engine.stats.failure().is_some() => {
+            (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "backend failed", "error": l.engine.stats.failure()}))).into_response()
+        }
         Some(_) => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
         None => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response(),
     }

@@ -29,4 +29,8 @@ pub trait Forward: Send {
     fn prefill(&mut self, pages: &[u32], start: usize, tokens: &[u32]) -> Result<Vec<f32>, String>;
     /// One token per sequence; returns `[items.len(), vocab_size]` logits, row-major.
     fn decode(&mut self, items: &[DecodeItem<'_>]) -> Result<Vec<f32>, String>;
+    /// Why the backend can serve nothing any more (a GPU fault), once that has happened.
+    fn failure(&self) -> Option<String> {
+        None
+    }
 }

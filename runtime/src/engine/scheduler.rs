@@ -54,6 +54,8 @@ pub enum Rejected {
     QueueFull { waiting: usize },
     #[error("the engine has stopped")]
     Stopped,
+    #[error("the backend has failed and serves nothing: {0}")]
+    Failed(String),
 }
 
 /// Live counters for `/metrics` and admission decisions.
@@ -67,6 +69,14 @@ pub struct EngineStats {
     pub generation_tokens: AtomicU64,
     /// Set when the engine thread has ended (including by a panic): nothing will be served.
     pub stopped: std::sync::atomic::AtomicBool,
+    /// Set when the backend failed for good (a GPU fault): every request fails, /health is 503.
+    pub failure: std::sync::Mutex<Option<String>>,
+}
+
+impl EngineStats {
+    pub fn failure(&self) -> Option<String> {
+        self.failure.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
 /// Marks the engine stopped when its thread ends, however it ends.
@@ -128,6 +138,9 @@ impl EngineHandle {
             return Err(Rejected::Invalid("max_tokens must be at least 1".into()));
         }
         request.sampling.validate().map_err(Rejected::Invalid)?;
+        if let Some(f) = self.stats.failure() {
+            return Err(Rejected::Failed(f));
+        }
         let waiting = self.stats.waiting.load(Ordering::SeqCst);
         if waiting >= self.max_waiting {
             return Err(Rejected::QueueFull { waiting });
@@ -216,6 +229,14 @@ impl Engine {
             self.prefill_one_chunk();
             self.decode_step();
             self.publish();
+            if let Some(f) = self.model.failure() {
+                *self.stats.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
+                // Nothing can run any more: fail everything still waiting.
+                for mut s in self.waiting.drain(..) {
+                    self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
+                    (s.sink)(Event::Error("the backend has failed; the request was not run".into()));
+                }
+            }
         }
     }
 

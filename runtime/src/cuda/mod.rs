@@ -1,0 +1,298 @@
+//! The CUDA backend: the plan's programs as CUDA graphs on real GPUs (or on the driver double,
+//! `scripts/with-cuda-double.sh`), through cudarc's driver and NCCL bindings. Behind
+//! `--backend cuda` of `kiln logits`, `run`, `serve` and `verify`.
+//!
+//! One worker thread per GPU owns everything of that GPU for its whole life (context, stream,
+//! memory, modules, communicator, graphs): graphs and communicators must not be shared between
+//! threads, and NCCL captured in several threads of one process needs thread-local capture,
+//! which is what the workers use. Start-up, in order: the hardware check (before anything is
+//! allocated), the planned allocations, the weight upload (all GPUs in parallel from the
+//! mapped checkpoint through pinned staging), the modules, the communicator and a warm-up of
+//! every collective, then one graph per program. A replay writes the program's inputs into
+//! their fixed buffers, launches the graph on every rank and reads rank 0's logits back.
+//!
+//! A CUDA or NCCL error fails the request that hit it and the backend for good (the driver's
+//! context is lost after a kernel fault): later calls fail at once with the same message, and
+//! nothing waits on a rank that may never answer.
+
+pub mod hardware;
+pub mod p2p;
+mod rank;
+mod resources;
+pub mod step;
+
+use crate::bind::CheckpointFiles;
+use crate::cpu::Inputs;
+use crate::error::RuntimeError;
+use crate::numerics::bytes_floats;
+use crate::plan::{DType, Plan};
+use hardware::gpu_error;
+use rank::RankDevice;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What start-up measured.
+#[derive(Debug, Clone, Default)]
+pub struct LoadReport {
+    pub weight_bytes: u64,
+    pub upload: Duration,
+    pub graphs: usize,
+    pub graph_build: Duration,
+    /// Per GPU: (bytes allocated for the plan, bytes the driver has left).
+    pub memory: Vec<(u64, u64)>,
+    /// Kernels loaded from PTX through the JIT because the artifact had no cubin.
+    pub jit_kernels: usize,
+}
+
+impl LoadReport {
+    pub fn upload_gbps(&self) -> f64 {
+        self.weight_bytes as f64 / self.upload.as_secs_f64().max(1e-9) / 1e9
+    }
+}
+
+enum Command {
+    Comm(cudarc::nccl::sys::ncclUniqueId),
+    Capture,
+    Run { index: usize, inputs: Arc<Vec<(u64, Vec<u8>)>>, read_logits: bool },
+}
+
+enum Reply {
+    Opened { allocated: u64, free_after: u64, upload: Duration, bytes: u64, jit: Vec<String> },
+    Ready,
+    Captured(Duration),
+    Ran(Option<Vec<u8>>),
+    Failed(String),
+}
+
+struct Worker {
+    tx: Sender<Command>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+pub struct CudaBackend {
+    plan: Arc<Plan>,
+    workers: Vec<Worker>,
+    replies: Receiver<(usize, Reply)>,
+    logits: Vec<f32>,
+    /// Set by the first failure: the backend cannot run anything after it.
+    dead: Option<String>,
+    pub report: LoadReport,
+}
+
+/// Body of one GPU's worker thread.
+fn worker(rank: usize, plan: Arc<Plan>, files: Arc<CheckpointFiles>, kernels: Option<PathBuf>, bar: indicatif::ProgressBar, rx: Receiver<Command>, tx: Sender<(usize, Reply)>) {
+    let fail = |e: RuntimeError| {
+        let _ = tx.send((rank, Reply::Failed(e.to_string())));
+    };
+    let opened = (|| {
+        let (mut dev, opened) = RankDevice::open(rank, &plan)?;
+        let t = Instant::now();
+        let bytes = dev.upload_weights(&plan, &files, &bar)?;
+        let upload = t.elapsed();
+        let jit = dev.load_kernels(&plan, kernels.as_deref())?;
+        Ok::<_, RuntimeError>((dev, Reply::Opened { allocated: opened.allocated, free_after: opened.free_after, upload, bytes, jit }))
+    })();
+    let mut dev = match opened {
+        Ok((dev, reply)) => {
+            let _ = tx.send((rank, reply));
+            dev
+        }
+        Err(e) => return fail(e),
+    };
+    drop(files);
+    while let Ok(cmd) = rx.recv() {
+        let reply = match cmd {
+            Command::Comm(id) => dev.init_comm(id, plan.ranks()).and_then(|()| dev.warm_up_collectives(&plan)).map(|()| Reply::Ready),
+            Command::Capture => dev.capture_programs(&plan).map(Reply::Captured),
+            Command::Run { index, inputs, read_logits } => dev.replay(&plan, index, &inputs, read_logits).map(Reply::Ran),
+        };
+        match reply {
+            Ok(r) => {
+                let _ = tx.send((rank, r));
+            }
+            Err(e) => return fail(e),
+        }
+    }
+}
+
+fn human(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+impl CudaBackend {
+    /// Checks the machine, then loads the plan onto its GPUs: `weights` is the checkpoint
+    /// directory, `artifact` (when known) holds the cubins in `kernels/`.
+    pub fn new(plan: Plan, artifact: Option<&Path>, weights: &Path, progress: bool) -> Result<CudaBackend, RuntimeError> {
+        if plan.kernels.is_empty() {
+            return Err(RuntimeError::Unsupported {
+                message: format!("the plan was compiled for {} and has no kernels; the CUDA backend needs a GPU target (--target sm_120a or sm_90a)", plan.target.name),
+            });
+        }
+        let machine = hardware::check(&plan)?;
+        if plan.ranks() > 1 {
+            hardware::require_nccl()?;
+        }
+        let files = CheckpointFiles::open(weights)?;
+        files.check(&plan)?;
+        let plan = Arc::new(plan);
+        let files = Arc::new(files);
+        let ranks = plan.ranks();
+        let total: u64 = plan.weights.iter().map(|s| s.bytes).sum::<u64>() * ranks as u64;
+        let bar = if progress {
+            let bar = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
+            if let Ok(style) = indicatif::ProgressStyle::with_template("uploading weights {bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} {msg}") {
+                bar.set_style(style);
+            }
+            bar
+        } else {
+            indicatif::ProgressBar::hidden()
+        };
+        let kernels = artifact.map(|a| a.join("kernels"));
+        let (reply_tx, replies) = channel();
+        let mut workers = Vec::with_capacity(ranks);
+        for rank in 0..ranks {
+            let (tx, rx) = channel();
+            let (plan, files, kernels, bar, reply_tx) = (plan.clone(), files.clone(), kernels.clone(), bar.clone(), reply_tx.clone());
+            let thread = std::thread::Builder::new()
+                .name(format!("kiln-gpu{rank}"))
+                .spawn(move || worker(rank, plan, files, kernels, bar, rx, reply_tx))
+                .map_err(|e| RuntimeError::internal(format!("cannot start the worker of GPU {rank}: {e}")))?;
+            workers.push(Worker { tx, thread: Some(thread) });
+        }
+        drop(reply_tx);
+        drop(files);
+        let mut backend = CudaBackend { plan, workers, replies, logits: Vec::new(), dead: None, report: LoadReport::default() };
+        let started = Instant::now();
+        let mut jit = Vec::new();
+        backend.report.memory = vec![(0, 0); ranks];
+        for (rank, reply) in backend.gather("loading the plan")? {
+            if let Reply::Opened { allocated, free_after, upload, bytes, jit: j } = reply {
+                backend.report.memory[rank] = (allocated, free_after);
+                backend.report.weight_bytes += bytes;
+                backend.report.upload = backend.report.upload.max(upload);
+                if rank == 0 {
+                    jit = j;
+                }
+            }
+        }
+        bar.finish_and_clear();
+        let r = &mut backend.report;
+        r.jit_kernels = jit.len();
+        eprintln!(
+            "kiln cuda: {} GPU(s) ({}), driver CUDA {}.{}; weights uploaded: {} in {:.2} s ({:.2} GB/s)",
+            ranks,
+            machine.gpus.first().map(|g| g.name.as_str()).unwrap_or("?"),
+            machine.driver_version / 1000,
+            machine.driver_version % 1000 / 10,
+            human(r.weight_bytes),
+            r.upload.as_secs_f64(),
+            r.upload_gbps()
+        );
+        for (rank, (allocated, free)) in r.memory.iter().enumerate() {
+            let note = if *free < backend.plan.memory.headroom { " — less than the plan's headroom: NCCL and graphs may run out of memory" } else { "" };
+            eprintln!("kiln cuda: GPU {rank}: {} allocated as planned, {} left by the driver (plan headroom {}){note}", human(*allocated), human(*free), human(backend.plan.memory.headroom));
+        }
+        if !jit.is_empty() {
+            eprintln!(
+                "kiln cuda: warning: {} kernel(s) have no cubin in the artifact and were JIT-compiled from PTX by the driver (e.g. {}); compile with ptxas available to ship cubins",
+                jit.len(),
+                jit[0]
+            );
+        }
+        if ranks > 1 {
+            let id = cudarc::nccl::result::get_uniqueid().map_err(|e| gpu_error(format!("ncclGetUniqueId: NCCL {:?}", e.0)))?;
+            backend.broadcast(|| Command::Comm(id))?;
+            backend.gather("joining the NCCL communicator")?;
+        }
+        backend.broadcast(|| Command::Capture)?;
+        let captured = backend.gather("capturing the programs as CUDA graphs")?;
+        backend.report.graph_build = captured.iter().filter_map(|(_, r)| if let Reply::Captured(d) = r { Some(*d) } else { None }).max().unwrap_or_default();
+        backend.report.graphs = backend.plan.programs.len() * ranks;
+        eprintln!(
+            "kiln cuda: {} CUDA graphs ({} programs x {ranks} ranks) built in {:.2} s; start-up took {:.2} s",
+            backend.report.graphs,
+            backend.plan.programs.len(),
+            backend.report.graph_build.as_secs_f64(),
+            started.elapsed().as_secs_f64()
+        );
+        Ok(backend)
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// The failure that stopped the backend, if one did.
+    pub fn failure(&self) -> Option<&str> {
+        self.dead.as_deref()
+    }
+
+    fn broadcast(&mut self, cmd: impl Fn() -> Command) -> Result<(), RuntimeError> {
+        for (rank, w) in self.workers.iter().enumerate() {
+            if w.tx.send(cmd()).is_err() {
+                return Err(self.die(format!("the worker of GPU {rank} has stopped")));
+            }
+        }
+        Ok(())
+    }
+
+    /// One reply from every worker; the first failure kills the backend (and is returned at
+    /// once: the other ranks may be blocked in a collective the failed rank never joins).
+    fn gather(&mut self, doing: &str) -> Result<Vec<(usize, Reply)>, RuntimeError> {
+        let mut got = Vec::with_capacity(self.workers.len());
+        while got.len() < self.workers.len() {
+            match self.replies.recv() {
+                Ok((rank, Reply::Failed(m))) => return Err(self.die(format!("{doing}: GPU {rank}: {m}"))),
+                Ok(r) => got.push(r),
+                Err(_) => return Err(self.die(format!("{doing}: a GPU worker stopped without an answer"))),
+            }
+        }
+        Ok(got)
+    }
+
+    fn die(&mut self, message: String) -> RuntimeError {
+        let m = self.dead.get_or_insert(message).clone();
+        gpu_error(format!("{m}; the CUDA backend has stopped (restart kiln; `kiln verify --backend cuda` runs the plan step by step to find a faulting kernel)"))
+    }
+
+    /// Replays program `index` with `inputs`; returns its logits `[logit_rows, vocab]`.
+    pub fn run(&mut self, index: usize, inputs: &Inputs) -> Result<&[f32], RuntimeError> {
+        if let Some(m) = &self.dead {
+            return Err(gpu_error(format!("the CUDA backend stopped earlier: {m}")));
+        }
+        let plan = self.plan.clone();
+        let program = plan.programs.get(index).ok_or_else(|| RuntimeError::internal(format!("program {index} of {}", plan.programs.len())))?;
+        crate::cpu::check_inputs(&plan, program, inputs)?;
+        let bytes: Vec<(u64, Vec<u8>)> = inputs.by_buffer(program).iter().map(|(_, b, v)| (program.buffer(*b).offset, v.iter().flat_map(|x| x.to_le_bytes()).collect())).collect();
+        let bytes = Arc::new(bytes);
+        for (rank, w) in self.workers.iter().enumerate() {
+            if w.tx.send(Command::Run { index, inputs: bytes.clone(), read_logits: rank == 0 }).is_err() {
+                return Err(self.die(format!("the worker of GPU {rank} has stopped")));
+            }
+        }
+        let replies = self.gather(&format!("running {}", program.name))?;
+        let raw = replies.into_iter().find_map(|(rank, r)| match r {
+            Reply::Ran(Some(b)) if rank == 0 => Some(b),
+            _ => None,
+        });
+        let raw = raw.ok_or_else(|| RuntimeError::internal("rank 0 returned no logits"))?;
+        self.logits = bytes_floats(&raw, program.buffer(program.logits).dtype == DType::BF16);
+        Ok(&self.logits)
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        let workers = std::mem::take(&mut self.workers);
+        let threads: Vec<_> = workers.into_iter().filter_map(|mut w| w.thread.take()).collect();
+        // Closing the channels stops the workers; after a failure some may be blocked for
+        // good (a collective a dead rank never joins), so they are left to the process exit.
+        if self.dead.is_none() {
+            for t in threads {
+                let _ = t.join();
+            }
+        }
+    }
+}
