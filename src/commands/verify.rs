@@ -1,5 +1,6 @@
 use anyhow::{bail, Context};
 use kiln_runtime::cpu::{StepPhase, StepView};
+use kiln_runtime::cuda::step::StepRunner;
 use kiln_runtime::emu::Module;
 use kiln_runtime::plan::{BufId, DType, LaunchArg, Op, Plan, ProgramKind};
 use kiln_runtime::session::{LogitRows, Session, SessionOptions};
@@ -27,7 +28,8 @@ pub struct Args {
     /// Checkpoint directory with the weights (default: the one the artifact was compiled from).
     #[arg(long)]
     weights: Option<PathBuf>,
-    /// Backend to check: emu (the PTX emulator). cuda is not built yet.
+    /// Backend to check: emu (the PTX emulator) or cuda (each step's launches eagerly on GPU 0,
+    /// every rank in turn; the byte counts are the emulator's only).
     #[arg(long, default_value = "emu", value_parser = ["emu", "cuda"])]
     backend: String,
     /// Only this program (default: every decode program and the smallest prefill program).
@@ -168,9 +170,6 @@ fn moe_selected_bytes(plan: &Plan, p: &kiln_runtime::plan::Program, op: &Op, val
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if a.backend == "cuda" {
-        bail!("--backend cuda: the CUDA backend is not built yet; use --backend emu");
-    }
     let mut session = Session::open(&a.artifact, a.weights.as_deref(), SessionOptions { progress: true, ..Default::default() })
         .with_context(|| format!("opening {}", a.artifact.display()))?;
     let plan = session.plan().clone();
@@ -190,11 +189,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     };
     let rope_table = kiln_runtime::cpu::rope::Rope::plan_table_bytes(&plan);
+    let mut gpu = match a.backend.as_str() {
+        "cuda" => Some(StepRunner::new(&plan, Some(a.artifact.join("kernels"))).context("opening GPU 0 for verify --backend cuda")?),
+        _ => None,
+    };
     let mut modules: HashMap<u32, Module> = HashMap::new();
     let mut first_bad: Option<String> = None;
     let mut first_nan: Option<String> = None;
     let mut checked = 0usize;
-    println!("verify {} on the PTX emulator against the CPU reference ({} ranks)", a.artifact.display(), plan.ranks());
+    let on = if gpu.is_some() { "GPU 0 (CUDA, eager launches)" } else { "the PTX emulator" };
+    println!("verify {} on {on} against the CPU reference ({} ranks)", a.artifact.display(), plan.ranks());
     for &pi in &chosen {
         let p = &plan.programs[pi];
         let records = replay(&mut session, &plan, pi)?;
@@ -204,14 +208,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             if step.launches.is_empty() {
                 continue; // a collective: the host sums in rank order on both sides
             }
-            for l in &step.launches {
+            for l in step.launches.iter().filter(|_| gpu.is_none()) {
                 if !modules.contains_key(&l.kernel.0) {
                     let kernel = plan.kernel(l.kernel);
                     let m = Module::parse(&kernel.ptx, &format!("{}.ptx", kernel.name)).map_err(|e| anyhow::anyhow!("{e}"))?;
                     modules.insert(l.kernel.0, m);
                 }
             }
-            let mods: Vec<&Module> = step.launches.iter().map(|l| &modules[&l.kernel.0]).collect();
+            let mods: Vec<&Module> = step.launches.iter().filter_map(|l| modules.get(&l.kernel.0)).collect();
             let names: Vec<&str> = step.launches.iter().map(|l| plan.kernel(l.kernel).name.as_str()).collect();
             let mut cmp = Comparison::default();
             let (mut read, mut compulsory, mut weight_read, mut weight_bytes) = (0u64, 0u64, 0u64, 0u64);
@@ -221,8 +225,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 let kv_layer = |l: u32| rec.kv_before.iter().find(|(x, _)| *x == l).map(|(_, v)| v.clone()).expect("every cache layer is recorded");
                 let arena = session.cpu().and_then(|c| c.arena(rank)).context("rank arena")?;
                 let inputs = StepInputs { value: &value, arena, rank, kv_layer: &kv_layer, rope_table: &rope_table };
-                let out = emulate(&plan, p, &step.launches, &mods, &step.op.reads(), &step.op.results(), &inputs)
-                    .map_err(|e| anyhow::anyhow!("{} step {s} on rank {rank}: {e}", p.name))?;
+                let out = match gpu.as_mut() {
+                    Some(g) => g.run(&plan, p, &step.launches, &step.op.reads(), &step.op.results(), &inputs),
+                    None => emulate(&plan, p, &step.launches, &mods, &step.op.reads(), &step.op.results(), &inputs),
+                }
+                .map_err(|e| anyhow::anyhow!("{} step {s} on rank {rank}: {e}", p.name))?;
                 let mut c = compare_outputs(p, &step.op, &out.outputs, &rec.after);
                 if step.op.writes_kv_cache() {
                     for (l, bytes) in &out.kv {
@@ -256,7 +263,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             if !cmp.ok() && first_bad.is_none() {
                 first_bad = Some(format!("{here}: {} of {} values beyond tolerance", cmp.beyond + cmp.non_finite, cmp.elements));
             }
-            let bytes = if weight_bytes > 0 {
+            let bytes = if gpu.is_some() {
+                "n/a on a GPU".to_string()
+            } else if weight_bytes > 0 {
                 format!("{read} / {compulsory} = {:.3}; weights {:.3}", read as f64 / compulsory.max(1) as f64, weight_read as f64 / weight_bytes as f64)
             } else {
                 format!("{read} / {compulsory}")

@@ -414,8 +414,10 @@ pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut Ptr, size: usize, _flags: c_uin
     })
 }
 
+/// # Safety
+/// `p` must come from `cuMemHostAlloc` and not be used afterwards.
 #[no_mangle]
-pub extern "C" fn cuMemFreeHost(p: Ptr) -> CuResult {
+pub unsafe extern "C" fn cuMemFreeHost(p: Ptr) -> CuResult {
     guard(|| {
         let drv = driver()?;
         drv.forbid_during_capture()?;
@@ -449,8 +451,10 @@ pub extern "C" fn cuMemsetD8_v2(dst: u64, byte: u8, n: usize) -> CuResult {
     })
 }
 
+/// # Safety
+/// `src` must hold `n` readable bytes until the copy has run.
 #[no_mangle]
-pub extern "C" fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, n: usize, stream: Ptr) -> CuResult {
+pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, n: usize, stream: Ptr) -> CuResult {
     guard(|| {
         let drv = driver()?;
         checked(drv, dst, n)?;
@@ -461,8 +465,10 @@ pub extern "C" fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, n: usize, s
     })
 }
 
+/// # Safety
+/// `dst` must hold `n` writable bytes.
 #[no_mangle]
-pub extern "C" fn cuMemcpyDtoHAsync_v2(dst: Ptr, src: u64, n: usize, stream: Ptr) -> CuResult {
+pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(dst: Ptr, src: u64, n: usize, stream: Ptr) -> CuResult {
     guard(|| {
         let drv = driver()?;
         checked(drv, src, n)?;
@@ -473,8 +479,10 @@ pub extern "C" fn cuMemcpyDtoHAsync_v2(dst: Ptr, src: u64, n: usize, stream: Ptr
     })
 }
 
+/// # Safety
+/// `src` must hold `n` readable bytes.
 #[no_mangle]
-pub extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, n: usize) -> CuResult {
+pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, n: usize) -> CuResult {
     guard(|| {
         let drv = driver()?;
         drv.forbid_during_capture()?;
@@ -487,8 +495,10 @@ pub extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, n: usize) -> CuR
     })
 }
 
+/// # Safety
+/// `dst` must hold `n` writable bytes.
 #[no_mangle]
-pub extern "C" fn cuMemcpyDtoH_v2(dst: Ptr, src: u64, n: usize) -> CuResult {
+pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: Ptr, src: u64, n: usize) -> CuResult {
     guard(|| {
         let drv = driver()?;
         drv.forbid_during_capture()?;

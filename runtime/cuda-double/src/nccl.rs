@@ -103,7 +103,13 @@ fn next_id() -> u64 {
 impl Clique {
     /// Waits until every rank arrived (or the timeout passed, which breaks the clique).
     fn barrier(&self, rank: usize, what: &str) -> Result<(), String> {
-        let timeout = driver::driver().map(|d| d.config.nccl_timeout).unwrap_or(std::time::Duration::from_secs(120));
+        // Read at every wait (not only at cuInit) so that a test can shorten it.
+        let timeout = std::env::var("KILN_DOUBLE_NCCL_TIMEOUT_S")
+            .ok()
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .map(std::time::Duration::from_secs_f64)
+            .or_else(|| driver::driver().ok().map(|d| d.config.nccl_timeout))
+            .unwrap_or(std::time::Duration::from_secs(120));
         let mut s = lock(&self.state);
         if let Some(b) = &s.broken {
             return Err(b.clone());

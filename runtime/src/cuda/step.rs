@@ -42,9 +42,9 @@ impl StepRunner {
     /// `writes` come back.
     pub fn run(&mut self, plan: &Plan, program: &Program, launches: &[Launch], reads: &[BufId], writes: &[BufId], st: &StepInputs) -> Result<Emulated, String> {
         self.ctx.bind().map_err(|e| e.to_string())?;
-        let mut bufs: Vec<(BufId, DeviceBuffer)> = Vec::new();
+        let mut bufs: Vec<(BufId, DeviceBuffer, usize)> = Vec::new();
         let mut weights: Vec<(WeightId, DeviceBuffer)> = Vec::new();
-        let mut layers: Vec<(u32, DeviceBuffer)> = Vec::new();
+        let mut layers: Vec<(u32, DeviceBuffer, usize)> = Vec::new();
         let mut rope: Option<DeviceBuffer> = None;
         let mut compulsory = 0u64;
         let upload = |bytes: &[u8], what: &str| -> Result<DeviceBuffer, String> {
@@ -62,8 +62,8 @@ impl StepRunner {
             let mut values = Vec::with_capacity(l.args.len());
             for a in &l.args {
                 values.push(match *a {
-                    LaunchArg::Buffer(b) => match bufs.iter().find(|(x, _)| *x == b) {
-                        Some((_, d)) => d.ptr,
+                    LaunchArg::Buffer(b) => match bufs.iter().find(|(x, _, _)| *x == b) {
+                        Some((_, d, _)) => d.ptr,
                         None => {
                             let buf = program.buffer(b);
                             let bytes = encode(buf.dtype, &(st.value)(b))?;
@@ -72,7 +72,7 @@ impl StepRunner {
                             }
                             let d = upload(&bytes, &buf.name)?;
                             let p = d.ptr;
-                            bufs.push((b, d));
+                            bufs.push((b, d, bytes.len()));
                             p
                         }
                     },
@@ -88,12 +88,13 @@ impl StepRunner {
                             p
                         }
                     },
-                    LaunchArg::KvCache { layer } => match layers.iter().find(|(x, _)| *x == layer) {
-                        Some((_, d)) => d.ptr,
+                    LaunchArg::KvCache { layer } => match layers.iter().find(|(x, _, _)| *x == layer) {
+                        Some((_, d, _)) => d.ptr,
                         None => {
-                            let d = upload(&(st.kv_layer)(layer), &format!("kv_cache.layer{layer}"))?;
+                            let bytes = (st.kv_layer)(layer);
+                            let d = upload(&bytes, &format!("kv_cache.layer{layer}"))?;
                             let p = d.ptr;
-                            layers.push((layer, d));
+                            layers.push((layer, d, bytes.len()));
                             p
                         }
                     },
@@ -127,12 +128,11 @@ impl StepRunner {
         let outputs = writes
             .iter()
             .map(|&b| {
-                let (_, d) = bufs.iter().find(|(x, _)| *x == b).ok_or_else(|| format!("the launches do not pass written buffer {}", program.buffer(b).name))?;
-                Ok((b, decode(program.buffer(b).dtype, &download(d, program.buffer(b).bytes as usize)?)))
+                let (_, d, len) = bufs.iter().find(|(x, _, _)| *x == b).ok_or_else(|| format!("the launches do not pass written buffer {}", program.buffer(b).name))?;
+                Ok((b, decode(program.buffer(b).dtype, &download(d, *len)?)))
             })
             .collect::<Result<Vec<_>, String>>()?;
-        let layer_bytes = plan.memory.kv.layer_bytes() as usize;
-        let kv = layers.iter().map(|(l, d)| download(d, layer_bytes).map(|b| (*l, b))).collect::<Result<Vec<_>, String>>()?;
+        let kv = layers.iter().map(|(l, d, len)| download(d, *len).map(|b| (*l, b))).collect::<Result<Vec<_>, String>>()?;
         let weight_bytes = weights.iter().map(|(w, _)| plan.weight(*w).bytes).sum();
         Ok(Emulated { outputs, kv, bytes_read: 0, bytes_written: 0, compulsory_read: compulsory, weight_read: 0, weight_bytes })
     }
