@@ -5,16 +5,17 @@ use std::path::PathBuf;
 ///
 /// `tiny`: a small random GLM-5-layout model with real ModelOpt NVFP4 experts, shared experts and
 /// dense MLP, BF16 elsewhere, a byte-level tokenizer and the GLM-5 chat template (tests, demo).
-/// `glm5`: the full-size GLM-5-NVFP4 tensor table as header-only shards whose data are sparse
+/// `micro`: the same at the smallest shapes the kernels take (2 layers, hidden 96), for runs on
+/// the PTX emulator or the driver double. `glm5`: the full-size GLM-5-NVFP4 tensor table as header-only shards whose data are sparse
 /// holes, so the real 744B geometry compiles on any machine.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Preset: tiny or glm5.
+    /// Preset: tiny, micro or glm5.
     preset: String,
     /// Output checkpoint directory (created).
     #[arg(short, long)]
     out: PathBuf,
-    /// Seed of the random weights (tiny only).
+    /// Seed of the random weights (tiny and micro).
     #[arg(long, default_value_t = 0)]
     seed: u64,
 }

@@ -142,7 +142,14 @@ impl Generation {
                 };
                 Some(Ok(self.done(reason, tail)))
             }
-            Some(Event::Error(e)) => Some(Err(self.fail(request_id, e))),
+            Some(Event::Error(e)) => match self.loaded.engine.stats.failure() {
+                // The GPU backend is gone: say so (it is the server's state, not a secret).
+                Some(f) => {
+                    let _ = self.fail(request_id, &e);
+                    Some(Err(ApiError::unavailable(format!("the backend failed while running this request and serves nothing until kiln is restarted: {f}"))))
+                }
+                None => Some(Err(self.fail(request_id, e))),
+            },
             Some(Event::Admitted | Event::Prefilled { .. }) => unreachable!("skipped above"),
             None => Some(Err(self.fail(request_id, "the engine stopped"))),
         }

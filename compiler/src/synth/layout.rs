@@ -107,6 +107,35 @@ impl SynthSpec {
         }
     }
 
+    /// `tiny` cut to the smallest shapes the kernels take (2 layers, hidden 96, 8 experts) with
+    /// the same tokenizer: for runs on the PTX emulator, e.g. serving through the driver double.
+    pub fn micro() -> SynthSpec {
+        SynthSpec {
+            hidden: 96,
+            layers: 2,
+            intermediate: 192,
+            moe_intermediate: 64,
+            experts: 8,
+            experts_per_tok: 2,
+            n_group: 1,
+            topk_group: 1,
+            heads: 4,
+            q_lora: 48,
+            kv_lora: 16,
+            nope: 24,
+            index_heads: 4,
+            index_topk: 8,
+            exclude: vec![
+                "lm_head".into(),
+                "model.embed_tokens".into(),
+                "model.layers.*.self_attn*".into(),
+                "model.layers.*.mlp.gate".into(),
+                "model.layers.2*".into(),
+            ],
+            ..SynthSpec::tiny()
+        }
+    }
+
     pub fn config_json(&self) -> String {
         let v = json!({
             "architectures": ["GlmMoeDsaForCausalLM"],

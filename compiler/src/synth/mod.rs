@@ -1,6 +1,7 @@
 //! `kiln synth`: deterministic synthetic checkpoints in the exact Hugging Face / ModelOpt layout.
 //! `tiny`: small random weights with real NVFP4 tensors, a byte-level tokenizer and the GLM-5 chat
-//! template (tests and the demo). `glm5`: the full-size GLM-5-NVFP4 tensor table as header-only
+//! template (tests and the demo); `micro`: the same at the smallest shapes (for the emulator).
+//! `glm5`: the full-size GLM-5-NVFP4 tensor table as header-only
 //! shards whose data regions are sparse holes (compile the real geometry without 440 GB of disk).
 
 mod layout;
@@ -12,7 +13,7 @@ pub use layout::{checkpoint_tensors, SynthSpec, SynthTensor, TensorInit};
 use crate::error::CompileError;
 use std::path::Path;
 
-pub const PRESETS: [&str; 2] = ["tiny", "glm5"];
+pub const PRESETS: [&str; 3] = ["tiny", "micro", "glm5"];
 
 /// The real GLM-5 `config.json` and NVIDIA's NVFP4 quantisation config, shipped under artifacts/.
 pub const GLM5_CONFIG: &str = include_str!("../../../artifacts/GLM-5-NVFP4/config.json");
@@ -28,8 +29,8 @@ pub struct SynthReport {
 pub fn synth(preset: &str, out: &Path, seed: u64) -> Result<SynthReport, CompileError> {
     std::fs::create_dir_all(out).map_err(CompileError::io(out))?;
     match preset {
-        "tiny" => {
-            let spec = SynthSpec::tiny();
+        "tiny" | "micro" => {
+            let spec = if preset == "tiny" { SynthSpec::tiny() } else { SynthSpec::micro() };
             write::write_text(out, "config.json", &spec.config_json())?;
             write::write_text(out, "hf_quant_config.json", &spec.quant_json())?;
             tokenizer::write_tokenizer_files(out, &spec)?;

@@ -259,6 +259,9 @@ pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> CuResult {
         let left = d.retains.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| r.checked_sub(1)).map_err(|_| INVALID_CONTEXT)? - 1;
         if left == 0 {
             drv.reset(dev as usize); // the primary context is destroyed with everything in it
+            if dev == 0 && drv.config.profile {
+                drv.print_profile();
+            }
         }
         Ok(())
     })
@@ -870,15 +873,23 @@ pub unsafe extern "C" fn cuLaunchKernel(f: Ptr, gx: c_uint, gy: c_uint, gz: c_ui
         let space = marshal(e, params, extra)?;
         let (grid, block) = ([gx, gy, gz], [bx, by, bz]);
         let threads = bx as u64 * by as u64 * bz as u64;
+        let refuse = |code: CuResult, why: String| {
+            eprintln!("kiln-cuda-double: launch of {} refused: {why}", func.entry);
+            Err(code)
+        };
         if grid.contains(&0) || block.contains(&0) || gx > i32::MAX as u32 || gy > 65535 || gz > 65535 || bx > 1024 || by > 1024 || bz > 64 || threads > 1024 {
-            return Err(INVALID_VALUE);
+            return refuse(INVALID_VALUE, format!("grid {grid:?} / block {block:?} outside the limits"));
         }
-        if smem as i32 > func.max_dynamic_smem.load(Ordering::SeqCst) || e.shared_static as u64 + smem as u64 > drv.config.smem_optin as u64 {
-            return Err(INVALID_VALUE);
+        let max_dynamic = func.max_dynamic_smem.load(Ordering::SeqCst);
+        if smem as i32 > max_dynamic || e.shared_static as u64 + smem as u64 > drv.config.smem_optin as u64 {
+            return refuse(
+                INVALID_VALUE,
+                format!("{smem} B dynamic + {} B static shared memory (dynamic limit {max_dynamic} B, per block {} B)", e.shared_static, drv.config.smem_optin),
+            );
         }
         if let Some(&(regs, _)) = func.module.resources.get(&func.entry) {
             if regs as u64 * threads.next_multiple_of(32) > 65536 {
-                return Err(LAUNCH_OUT_OF_RESOURCES);
+                return refuse(LAUNCH_OUT_OF_RESOURCES, format!("{regs} registers x {threads} threads exceed the 65536 of an SM"));
             }
         }
         drv.submit(stream as u64, Op::Launch { func, grid, block, smem, params: space })

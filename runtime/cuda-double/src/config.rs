@@ -10,6 +10,10 @@
 //!   writes are silently lost, as on some VMs) or `off` (no peer access).
 //! * `KILN_DOUBLE_NCCL_TIMEOUT_S` — how long a collective waits for the other ranks before it
 //!   fails (real NCCL would hang; default 120).
+//! * `KILN_DOUBLE_PROFILE=1` — when GPU 0's context is destroyed, print where the emulated
+//!   kernel time went (per kernel entry).
+//! * `KILN_DOUBLE_FAULT_AT_LAUNCH` — fault injection for tests: the N-th kernel the process
+//!   executes (counting from 1, on any GPU) fails with `CUDA_ERROR_ILLEGAL_ADDRESS`.
 
 use std::time::Duration;
 
@@ -34,6 +38,8 @@ pub struct Config {
     pub driver_version: i32,
     pub p2p: P2p,
     pub nccl_timeout: Duration,
+    pub fault_at_launch: Option<u64>,
+    pub profile: bool,
 }
 
 const MIB: u64 = 1 << 20;
@@ -79,6 +85,8 @@ impl Config {
                 driver_version: 12090,
                 p2p: P2p::Ok,
                 nccl_timeout: Duration::from_secs(120),
+                fault_at_launch: None,
+                profile: false,
             },
             "sm_90a" => Config {
                 gpus: 8,
@@ -92,6 +100,8 @@ impl Config {
                 driver_version: 12090,
                 p2p: P2p::Ok,
                 nccl_timeout: Duration::from_secs(120),
+                fault_at_launch: None,
+                profile: false,
             },
             other => return Err(format!("KILN_DOUBLE_ARCH={other}: expected sm_120a or sm_90a")),
         };
@@ -123,6 +133,10 @@ impl Config {
         }
         if let Some(v) = var("KILN_DOUBLE_NCCL_TIMEOUT_S") {
             c.nccl_timeout = Duration::from_secs_f64(v.trim().parse::<f64>().map_err(|_| format!("KILN_DOUBLE_NCCL_TIMEOUT_S={v}: expected seconds"))?);
+        }
+        c.profile = var("KILN_DOUBLE_PROFILE").is_some_and(|v| v != "0");
+        if let Some(v) = var("KILN_DOUBLE_FAULT_AT_LAUNCH") {
+            c.fault_at_launch = Some(int("KILN_DOUBLE_FAULT_AT_LAUNCH", &v)?);
         }
         Ok(c)
     }

@@ -102,6 +102,10 @@ pub struct Driver {
     pub config: Config,
     pub devices: Vec<Device>,
     pub objects: Mutex<Objects>,
+    /// Kernels executed so far (for `KILN_DOUBLE_FAULT_AT_LAUNCH`).
+    pub launches: AtomicU64,
+    /// Per kernel entry: launches and emulation time (`KILN_DOUBLE_PROFILE=1`).
+    pub profile: Mutex<HashMap<String, (u64, std::time::Duration)>>,
 }
 
 static DRIVER: OnceLock<Result<Driver, CuResult>> = OnceLock::new();
@@ -132,7 +136,7 @@ pub fn init() -> Result<&'static Driver, CuResult> {
                     peers: Mutex::new(Vec::new()),
                 })
                 .collect();
-            Ok(Driver { config, devices, objects: Mutex::new(Objects::default()) })
+            Ok(Driver { config, devices, objects: Mutex::new(Objects::default()), launches: AtomicU64::new(0), profile: Mutex::new(HashMap::new()) })
         })
         .as_ref()
         .map_err(|&e| e)
@@ -223,6 +227,18 @@ impl Driver {
     }
 
     /// Frees everything a destroyed context owned and clears its sticky error.
+    /// Prints the kernel profile (slowest first) to stderr.
+    pub fn print_profile(&self) {
+        let p = self.profile.lock().unwrap_or_else(|p| p.into_inner());
+        let mut rows: Vec<_> = p.iter().collect();
+        rows.sort_by(|a, b| b.1 .1.cmp(&a.1 .1));
+        let total: f64 = rows.iter().map(|r| r.1 .1.as_secs_f64()).sum();
+        eprintln!("kiln-cuda-double: emulated kernel time {total:.2} s:");
+        for (name, (n, t)) in rows.iter().take(15) {
+            eprintln!("  {:>8.3} s {:>5.1} %  {n:>6} x  {name}", t.as_secs_f64(), 100.0 * t.as_secs_f64() / total.max(1e-9));
+        }
+    }
+
     pub fn reset(&self, d: usize) {
         let dev = &self.devices[d];
         let mut allocs = dev.allocs.lock().unwrap_or_else(|p| p.into_inner());
@@ -320,9 +336,21 @@ impl Driver {
         self.check_sticky(d)?;
         match op {
             Op::Launch { func, grid, block, smem, params } => {
+                let n = self.launches.fetch_add(1, Ordering::SeqCst) + 1;
+                if self.config.fault_at_launch == Some(n) {
+                    self.fault(d, ILLEGAL_ADDRESS, &format!("kernel {} faulted: injected fault (KILN_DOUBLE_FAULT_AT_LAUNCH={n})", func.entry));
+                    return Ok(());
+                }
                 let mem = self.devices[d].memory.read().unwrap_or_else(|p| p.into_inner());
                 match kiln_emu::launch_params(&func.module.ptx, &func.entry, *grid, *block, *smem, params, &mem) {
-                    Ok(_) => {}
+                    Ok(stats) => {
+                        if self.config.profile {
+                            let mut p = self.profile.lock().unwrap_or_else(|p| p.into_inner());
+                            let e = p.entry(func.entry.clone()).or_default();
+                            e.0 += 1;
+                            e.1 += stats.elapsed;
+                        }
+                    }
                     Err(e @ EmuError::Exec { .. }) => {
                         let text = e.to_string();
                         let code = if text.contains("aligned") { MISALIGNED_ADDRESS } else if text.contains("address") || text.contains("buffer") { ILLEGAL_ADDRESS } else { LAUNCH_FAILED };

@@ -137,8 +137,12 @@ impl RankDevice {
     /// Loads every kernel (see [`load_kernel`]); returns the kernels that were JIT-compiled.
     pub fn load_kernels(&mut self, plan: &Plan, kernels_dir: Option<&Path>) -> Result<Vec<String>, RuntimeError> {
         let mut jit = Vec::new();
-        for k in &plan.kernels {
-            let (module, f, jitted) = load_kernel(k, kernels_dir)?;
+        let mut dynamic = vec![0u32; plan.kernels.len()];
+        for l in plan.programs.iter().flat_map(|p| &p.steps).flat_map(|s| &s.launches) {
+            dynamic[l.kernel.0 as usize] = dynamic[l.kernel.0 as usize].max(l.smem_dynamic);
+        }
+        for (k, &smem) in plan.kernels.iter().zip(&dynamic) {
+            let (module, f, jitted) = load_kernel(k, kernels_dir, smem)?;
             self.modules.push(module);
             if jitted {
                 jit.push(k.name.clone());
@@ -400,7 +404,9 @@ fn inputs_bytes(p: &Program) -> u64 {
 /// Loads one kernel into the current context: the artifact's cubin when there is one, else
 /// the PTX through the driver's JIT (returned `true`; the caller warns). For a cubin, the
 /// registers and local memory the driver reports must be what ptxas recorded in the plan.
-pub fn load_kernel(k: &KernelInfo, kernels_dir: Option<&Path>) -> Result<(Module, sys::CUfunction, bool), RuntimeError> {
+/// Launches with more than 48 KiB of dynamic shared memory need the function to opt in first:
+/// `max_dynamic_smem` is the largest any of its launches uses.
+pub fn load_kernel(k: &KernelInfo, kernels_dir: Option<&Path>, max_dynamic_smem: u32) -> Result<(Module, sys::CUfunction, bool), RuntimeError> {
     let cubin = kernels_dir.map(|d| d.join(format!("{}.cubin", k.name))).filter(|p| p.is_file());
     let module = match &cubin {
         Some(path) => {
@@ -430,6 +436,13 @@ pub fn load_kernel(k: &KernelInfo, kernels_dir: Option<&Path>) -> Result<(Module
                 r.stack_bytes
             )));
         }
+    }
+    if max_dynamic_smem > 0 {
+        // SAFETY: a loaded function.
+        cu(
+            || format!("kernel {}: allowing {max_dynamic_smem} B of dynamic shared memory", k.name),
+            unsafe { result::function::set_function_attribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max_dynamic_smem as i32) },
+        )?;
     }
     Ok((module, f, cubin.is_none()))
 }

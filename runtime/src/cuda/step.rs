@@ -56,7 +56,8 @@ impl StepRunner {
         for l in launches {
             let k = plan.kernel(l.kernel);
             if !self.kernels.contains_key(&l.kernel.0) {
-                let (m, f, _) = load_kernel(k, self.kernels_dir.as_deref()).map_err(|e| e.to_string())?;
+                let smem = plan.programs.iter().flat_map(|p| &p.steps).flat_map(|s| &s.launches).filter(|x| x.kernel == l.kernel).map(|x| x.smem_dynamic).max().unwrap_or(0);
+                let (m, f, _) = load_kernel(k, self.kernels_dir.as_deref(), smem).map_err(|e| e.to_string())?;
                 self.kernels.insert(l.kernel.0, (m, f, param_count(&k.ptx)));
             }
             let mut values = Vec::with_capacity(l.args.len());

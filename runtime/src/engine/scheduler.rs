@@ -229,8 +229,7 @@ impl Engine {
             self.prefill_one_chunk();
             self.decode_step();
             self.publish();
-            if let Some(f) = self.model.failure() {
-                *self.stats.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
+            if self.note_failure() {
                 // Nothing can run any more: fail everything still waiting.
                 for mut s in self.waiting.drain(..) {
                     self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -328,6 +327,7 @@ impl Engine {
                     }
                 }
                 Err(e) => {
+                    self.note_failure();
                     for &i in batch {
                         (self.running[i].sink)(Event::Error(e.clone()));
                         done.push(i);
@@ -365,7 +365,20 @@ impl Engine {
         true
     }
 
+    /// Records a backend failure in the stats (before the failed requests hear of it, so that
+    /// the server can tell them the backend is gone); true once the backend has failed.
+    fn note_failure(&self) -> bool {
+        match self.model.failure() {
+            Some(f) => {
+                *self.stats.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
+                true
+            }
+            None => false,
+        }
+    }
+
     fn fail(&mut self, i: usize, message: String) {
+        self.note_failure();
         (self.running[i].sink)(Event::Error(message));
         self.finish(i);
     }
