@@ -3,6 +3,10 @@
 //! backend's op under `kiln verify`'s tolerances; the decode NVFP4 GEMV reads each weight byte
 //! once (global bytes read / compulsory bytes <= 1.10). The copies (add, gather_rows, embed on
 //! every rank of a split vocabulary) are bit-exact; the router's expert ids are exact.
+//!
+//! The NVFP4 GEMV runs for both targets: the sm_90a form (e2m1 by integer and float ops instead
+//! of cvt) forms the same exact products and sums them in the same order, so beyond matching the
+//! CPU it must equal the sm_120a form bit for bit.
 
 mod common;
 use common::{bytes, check, floats, randn};
@@ -23,8 +27,9 @@ struct Nvfp4Case {
     split_scales: bool,
 }
 
-/// Runs one NVFP4 GEMV on the emulator and the CPU; returns the launch stats and compulsory bytes.
-fn nvfp4_case(c: &Nvfp4Case, seed: u64) -> (LaunchStats, u64) {
+/// Runs one NVFP4 GEMV for `arch` (120 or 90) on the emulator and the CPU; returns the launch
+/// stats, compulsory bytes and the output.
+fn nvfp4_case(c: &Nvfp4Case, arch: u32, seed: u64) -> (LaunchStats, u64, Vec<f32>) {
     let mut rng = Rng::new(seed);
     let (m, k) = (c.m, c.k);
     let n: usize = c.parts.iter().sum();
@@ -33,7 +38,7 @@ fn nvfp4_case(c: &Nvfp4Case, seed: u64) -> (LaunchStats, u64) {
     let tasks = if c.silu { c.parts[0] } else { n };
 
     let params = LinearNvfp4GemvParams {
-        arch: 120,
+        arch,
         m: m as u32,
         n: n as u32,
         k: k as u32,
@@ -58,14 +63,14 @@ fn nvfp4_case(c: &Nvfp4Case, seed: u64) -> (LaunchStats, u64) {
     let grid = (tasks as u32).div_ceil(TASKS_PER_BLOCK);
     let stats = launch(&module, LinearNvfp4GemvParams::ENTRY, [grid, 1, 1], [THREADS, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
     let got = floats(&g.read(bo), c.out_bf16);
-    check(&format!("nvfp4 gemv M={m} parts={:?} K={k} silu={}", c.parts, c.silu), c.out_bf16, &got, &want);
+    check(&format!("nvfp4 gemv sm_{arch}a M={m} parts={:?} K={k} silu={}", c.parts, c.silu), c.out_bf16, &got, &want);
     if k == 16 && !c.silu {
         // One block per row: both sides sum the same exact products once, so any difference
         // would be a different activation code or scale. The quantisation must match bit for bit.
         assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "K = 16 must be bit-exact");
     }
     let compulsory = (m * k * if c.x_bf16 { 2 } else { 4 } + packed.len() + scales.len() + 8 * c.parts.len()) as u64;
-    (stats, compulsory)
+    (stats, compulsory, got)
 }
 
 #[test]
@@ -106,7 +111,9 @@ fn nvfp4_gemv_matches_the_cpu_on_ragged_shapes() {
         Nvfp4Case { m: 17, parts: vec![65], k: 16, silu: false, x_bf16: true, out_bf16: false, split_scales: false },
     ];
     for (i, c) in cases.iter().enumerate() {
-        nvfp4_case(c, 100 + i as u64);
+        let (_, _, sm120) = nvfp4_case(c, 120, 100 + i as u64);
+        let (_, _, sm90) = nvfp4_case(c, 90, 100 + i as u64);
+        assert_eq!(sm90.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), sm120.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "sm_90a differs from sm_120a");
     }
 }
 
@@ -115,7 +122,7 @@ fn decode_nvfp4_gemv_reads_each_weight_byte_once() {
     // Small shapes, and a GLM-5 tp8 decode shape (a 6144 -> 1536 projection slice).
     for (parts, k, silu) in [(vec![512], 1024, false), (vec![256, 256], 1024, true), (vec![1536], 6144, false)] {
         let c = Nvfp4Case { m: 1, parts, k, silu, x_bf16: true, out_bf16: true, split_scales: false };
-        let (stats, compulsory) = nvfp4_case(&c, 7);
+        let (stats, compulsory, _) = nvfp4_case(&c, 120, 7);
         let ratio = stats.global_bytes_read() as f64 / compulsory as f64;
         eprintln!("decode NVFP4 GEMV N={} K={k} silu={silu}: {} B read / {compulsory} B compulsory = {ratio:.3}", c.parts.iter().sum::<usize>(), stats.global_bytes_read());
         assert!(ratio <= 1.10, "byte ratio {ratio}");
