@@ -50,6 +50,7 @@ fn nv_split(mt: u32, nt: u32) -> NvForm {
     NvForm { split: 1, ks: 1, nbuf: 2, mt, nt }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn nvfp4_launches(arch: u32, m: usize, k: usize, parts: &[usize], silu: bool, x_bf16: bool, out_bf16: bool, f: NvForm) -> Vec<(LinearNvfp4GemmParams, [u32; 3])> {
     let n: usize = parts.iter().sum();
     let NvForm { split, ks, nbuf, mt, nt } = f;
