@@ -165,6 +165,52 @@ fn glm5_skeleton_tp8_matches_independent_weight_count_and_public_kv_capacity() {
     assert!(!root.join("small").join("plan.bin").exists(), "no artifact on failure: {err}");
 }
 
+/// The NVFP4 checkpoints compile for the H200 (`--target sm_90a`): the tiny model (TP 1, 2 and 8,
+/// and expert-parallel), the NVFP4 oracle goldens and the GLM-5 skeleton at TP 8. Every step gets its
+/// launches (a missing kernel fails the compile), and every kernel is rendered for sm_90a without
+/// the sm_120a-only instructions (cvt to or from e2m1, block-scaled FP4 mma). ptxas assembly of
+/// these plans is tests/kernels_plan.rs'.
+#[test]
+fn nvfp4_checkpoints_compile_for_sm_90a() {
+    use kiln_runtime::plan::{read_plan, KernelFamily};
+    let root = scratch("sm90");
+    let goldens = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/goldens");
+    let glm5 = root.join("glm5");
+    ok(&["synth", "glm5", "-o", s(&glm5)]);
+    let mut cases: Vec<(PathBuf, Vec<&str>)> = ["1", "2", "8"].iter().map(|tp| (tiny().to_path_buf(), vec!["--tp", tp])).collect();
+    cases.push((tiny().to_path_buf(), vec!["--tp", "2", "--moe-parallel", "ep"]));
+    cases.extend(["nvfp4_flatcfg", "nvfp4_groups"].map(|g| (goldens.join(g).join("ckpt"), vec![])));
+    cases.push((glm5, vec!["--tp", "8"]));
+    for (i, (ckpt, extra)) in cases.iter().enumerate() {
+        let art = root.join(format!("plan{i}"));
+        let mut args = vec!["compile", s(ckpt), "--target", "sm_90a", "--no-ptxas", "-o", s(&art)];
+        args.extend(extra.iter().copied());
+        ok(&args);
+        let plan = read_plan(&art).unwrap();
+        assert_eq!(plan.target.name, "sm_90a");
+        let what = format!("{} {extra:?}", ckpt.display());
+        for p in &plan.programs {
+            for (n, st) in p.steps.iter().enumerate() {
+                assert!(st.kernel == KernelFamily::Collective || !st.launches.is_empty(), "{what}: {} step {n} ({}) has no kernel", p.name, st.op.name());
+            }
+        }
+        assert!(plan.kernels.iter().any(|k| k.family == KernelFamily::LinearNvfp4), "{what}: no NVFP4 linear");
+        for k in &plan.kernels {
+            assert!(k.ptx.contains(".target sm_90a\n") && k.name.contains("_arch90_"), "{what}: {} is not an sm_90a kernel", k.name);
+            for sm120_only in ["e2m1x2", "kind::mxf4", "block_scale"] {
+                assert!(!k.ptx.contains(sm120_only), "{what}: {} uses {sm120_only}", k.name);
+            }
+        }
+        if extra.contains(&"8") && ckpt.ends_with("glm5") {
+            // H200: 141 GiB (as the driver reports it) holds far more KV than the RTX PRO 6000.
+            let j = inspect_json(&art);
+            assert_eq!(j["per_gpu"]["gpu_memory_bytes"], 143_771u64 << 20);
+            assert!(j["per_gpu"]["kv_token_capacity"].as_u64().unwrap() > 600_000, "{}", j["per_gpu"]);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 /// Rewrites one shard, letting `edit` drop tensors (None) or change dtype/shape (data zeroed
 /// when the size changes).
 fn rewrite_shard(path: &Path, edit: impl Fn(&str, DType, &[usize]) -> Option<(DType, Vec<usize>)>) {

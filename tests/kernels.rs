@@ -3,6 +3,10 @@
 //! backend's op under `kiln verify`'s tolerances; the decode NVFP4 GEMV reads each weight byte
 //! once (global bytes read / compulsory bytes <= 1.10). The copies (add, gather_rows, embed on
 //! every rank of a split vocabulary) are bit-exact; the router's expert ids are exact.
+//!
+//! The NVFP4 GEMV runs for both targets: the sm_90a form (e2m1 by integer and float ops instead
+//! of cvt) forms the same exact products and sums them in the same order, so beyond matching the
+//! CPU it must equal the sm_120a form bit for bit.
 
 mod common;
 use common::{bytes, check, floats, randn};
@@ -23,8 +27,9 @@ struct Nvfp4Case {
     split_scales: bool,
 }
 
-/// Runs one NVFP4 GEMV on the emulator and the CPU; returns the launch stats and compulsory bytes.
-fn nvfp4_case(c: &Nvfp4Case, seed: u64) -> (LaunchStats, u64) {
+/// Runs one NVFP4 GEMV for `arch` (120 or 90) on the emulator and the CPU; returns the launch
+/// stats, compulsory bytes and the output.
+fn nvfp4_case(c: &Nvfp4Case, arch: u32, seed: u64) -> (LaunchStats, u64, Vec<f32>) {
     let mut rng = Rng::new(seed);
     let (m, k) = (c.m, c.k);
     let n: usize = c.parts.iter().sum();
@@ -33,7 +38,7 @@ fn nvfp4_case(c: &Nvfp4Case, seed: u64) -> (LaunchStats, u64) {
     let tasks = if c.silu { c.parts[0] } else { n };
 
     let params = LinearNvfp4GemvParams {
-        arch: 120,
+        arch,
         m: m as u32,
         n: n as u32,
         k: k as u32,
@@ -46,26 +51,68 @@ fn nvfp4_case(c: &Nvfp4Case, seed: u64) -> (LaunchStats, u64) {
         x_bf16: c.x_bf16 as u32,
         out_bf16: c.out_bf16 as u32,
     };
-    let module = Module::parse(&params.render().unwrap(), "linear_nvfp4_gemv.ptx").unwrap();
-    let mut g = GlobalMemory::new();
-    let bx = g.alloc_bytes("x", &bytes(&x, c.x_bf16));
-    let bw = g.alloc_bytes("w", &packed);
-    let bs = g.alloc_bytes("sf", &scales);
-    let b2 = g.alloc_f32("scale_2", &s2);
-    let bi = g.alloc_f32("input_scale", &input_scale);
-    let bo = g.alloc("out", m * tasks * if c.out_bf16 { 2 } else { 4 });
-    let args: Vec<KernelArg> = [bx, bw, bs, b2, bi, bo].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
-    let grid = (tasks as u32).div_ceil(TASKS_PER_BLOCK);
-    let stats = launch(&module, LinearNvfp4GemvParams::ENTRY, [grid, 1, 1], [THREADS, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
-    let got = floats(&g.read(bo), c.out_bf16);
-    check(&format!("nvfp4 gemv M={m} parts={:?} K={k} silu={}", c.parts, c.silu), c.out_bf16, &got, &want);
+    let (stats, got) = run_gemv(&params, &bytes(&x, c.x_bf16), &packed, &scales, &s2, &input_scale);
+    check(&format!("nvfp4 gemv sm_{arch}a M={m} parts={:?} K={k} silu={}", c.parts, c.silu), c.out_bf16, &got, &want);
     if k == 16 && !c.silu {
         // One block per row: both sides sum the same exact products once, so any difference
         // would be a different activation code or scale. The quantisation must match bit for bit.
         assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "K = 16 must be bit-exact");
     }
     let compulsory = (m * k * if c.x_bf16 { 2 } else { 4 } + packed.len() + scales.len() + 8 * c.parts.len()) as u64;
-    (stats, compulsory)
+    (stats, compulsory, got)
+}
+
+/// One launch of an NVFP4 GEMV instance on the emulator: its stats and output.
+fn run_gemv(params: &LinearNvfp4GemvParams, x: &[u8], packed: &[u8], scales: &[u8], s2: &[f32], input_scale: &[f32]) -> (LaunchStats, Vec<f32>) {
+    let module = Module::parse(&params.render().unwrap(), "linear_nvfp4_gemv.ptx").unwrap();
+    let mut g = GlobalMemory::new();
+    let bx = g.alloc_bytes("x", x);
+    let bw = g.alloc_bytes("w", packed);
+    let bs = g.alloc_bytes("sf", scales);
+    let b2 = g.alloc_f32("scale_2", s2);
+    let bi = g.alloc_f32("input_scale", input_scale);
+    let bo = g.alloc("out", (params.m * params.tasks) as usize * if params.out_bf16 == 1 { 2 } else { 4 });
+    let args: Vec<KernelArg> = [bx, bw, bs, b2, bi, bo].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+    let grid = params.tasks.div_ceil(TASKS_PER_BLOCK);
+    let stats = launch(&module, LinearNvfp4GemvParams::ENTRY, [grid, 1, 1], [THREADS, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+    (stats, floats(&g.read(bo), params.out_bf16 == 1))
+}
+
+/// The activation quantisation at its edges, one 16-value block per row (K = 16, so each output
+/// is one exact block sum and must equal the CPU's bit for bit): values on every e2m1 rounding
+/// tie and just beside them, both signs, saturation past 6, +-inf (block scale saturates at 448),
+/// NaN (code +6, left out of the block maximum), an all-zero block (scale 0), subnormal block
+/// scales, and f32 subnormal inputs. On sm_90a the rounding is the float-op emulation of cvt.
+#[test]
+fn nvfp4_gemv_quantises_edge_values_like_the_cpu() {
+    let (inf, nan) = (f32::INFINITY, f32::NAN);
+    let rows: [[f32; 16]; 8] = [
+        [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0],
+        [6.0, 0.2499, 0.2501, 0.7499, 0.7501, 1.2499, 1.2501, 1.7499, 1.7501, 2.4999, 2.5001, 3.4999, 3.5001, 4.9999, 5.0001, 5.9],
+        [12.0, 7.0, -9.0, 11.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0],
+        [inf, 1.0, -2.0, 3.0, 448.0, 1000.0, -inf, 0.1, 2688.0, 2687.0, -5000.0, 0.0, -0.0, 1e-3, 6.0, 7.0],
+        [nan, 1.0, 2.0, 3.0, 6.0, -0.7, 0.3, 5.5, -nan, 4.5, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0],
+        [0.0; 16],
+        [3e-6, -1e-6, 2e-6, 5e-7, 1e-7, -3e-6, 0.0, 2.5e-6, 1.5e-6, -2e-6, 1e-6, 7e-7, -4e-7, 2e-7, 6e-7, 9e-7],
+        [1e-40, -2e-40, 3e-41, 5e-39, 0.0, -1e-39, 2e-39, 1e-38, -5e-39, 4e-39, 3e-39, -2e-39, 1e-39, 6e-39, -7e-39, 8e-39],
+    ];
+    let (m, k, n) = (rows.len(), 16, 40);
+    let x: Vec<f32> = rows.iter().flatten().copied().collect();
+    let mut rng = Rng::new(5);
+    let w = randn(&mut rng, n * k, 0.05, false);
+    let (packed, scales, s2) = kiln_runtime::numerics::quantize_nvfp4(&w, n, k);
+    // input_scale 1 (inv 1) puts the first rows' blocks at scale 1: their values are the ties
+    for input_scale in [1.0f32, 1e-7] {
+        let mut want = vec![0f32; m * n];
+        reference::linear_nvfp4(&x, m, &packed, &scales, k, &[n], &[s2], &[input_scale], kiln_runtime::plan::Epilogue::None, false, &mut want);
+        for arch in [120, 90] {
+            let params = LinearNvfp4GemvParams { arch, m: m as u32, n: n as u32, k: k as u32, n0: n as u32, parts: 1, silu: 0, tasks: n as u32, tasks_per_block: TASKS_PER_BLOCK, threads: THREADS, x_bf16: 0, out_bf16: 0 };
+            let (_, got) = run_gemv(&params, &bytes(&x, false), &packed, &scales, &[s2], &[input_scale]);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(g.to_bits() == w.to_bits(), "sm_{arch}a input_scale {input_scale}: row {} column {}: {g} vs the CPU's {w}", i / n, i % n);
+            }
+        }
+    }
 }
 
 #[test]
@@ -106,7 +153,9 @@ fn nvfp4_gemv_matches_the_cpu_on_ragged_shapes() {
         Nvfp4Case { m: 17, parts: vec![65], k: 16, silu: false, x_bf16: true, out_bf16: false, split_scales: false },
     ];
     for (i, c) in cases.iter().enumerate() {
-        nvfp4_case(c, 100 + i as u64);
+        let (_, _, sm120) = nvfp4_case(c, 120, 100 + i as u64);
+        let (_, _, sm90) = nvfp4_case(c, 90, 100 + i as u64);
+        assert_eq!(sm90.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), sm120.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "sm_90a differs from sm_120a");
     }
 }
 
@@ -115,7 +164,7 @@ fn decode_nvfp4_gemv_reads_each_weight_byte_once() {
     // Small shapes, and a GLM-5 tp8 decode shape (a 6144 -> 1536 projection slice).
     for (parts, k, silu) in [(vec![512], 1024, false), (vec![256, 256], 1024, true), (vec![1536], 6144, false)] {
         let c = Nvfp4Case { m: 1, parts, k, silu, x_bf16: true, out_bf16: true, split_scales: false };
-        let (stats, compulsory) = nvfp4_case(&c, 7);
+        let (stats, compulsory, _) = nvfp4_case(&c, 120, 7);
         let ratio = stats.global_bytes_read() as f64 / compulsory as f64;
         eprintln!("decode NVFP4 GEMV N={} K={k} silu={silu}: {} B read / {compulsory} B compulsory = {ratio:.3}", c.parts.iter().sum::<usize>(), stats.global_bytes_read());
         assert!(ratio <= 1.10, "byte ratio {ratio}");

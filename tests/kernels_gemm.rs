@@ -4,8 +4,14 @@
 //! (decode-sized M = 1, 3, 17, 32) forms, M, N and K not multiples of the tiles, run on the PTX
 //! emulator and compared under `kiln verify`'s tolerances; global bytes read stay within what
 //! the tiling implies (weights once per row block, activations once per column block). GLM-5
-//! tp8 shapes (M = 1 .. 8192) must assemble with ptxas for sm_120a without spills, within 255
-//! registers and the shared-memory limit.
+//! tp8 shapes (M = 1 .. 8192) must assemble with ptxas for sm_120a and sm_90a without spills,
+//! within 255 registers and the shared-memory limit.
+//!
+//! Every NVFP4 case also runs as the sm_90a form (decoded f16 mma instead of the block-scaled
+//! FP4 mma; its stage ring trimmed to the shared memory), under the same tolerance: both forms
+//! multiply the same exact E2M1 x E4M3 values and accumulate in f32 (the emulator's mma sums each
+//! instruction's exact products in f64 and rounds once), so they differ from the CPU only in
+//! summation order, as the sm_120a form does.
 
 mod common;
 use common::{bytes, floats, randn};
@@ -44,10 +50,11 @@ fn nv_split(mt: u32, nt: u32) -> NvForm {
     NvForm { split: 1, ks: 1, nbuf: 2, mt, nt }
 }
 
-fn nvfp4_launches(m: usize, k: usize, parts: &[usize], silu: bool, x_bf16: bool, out_bf16: bool, f: NvForm) -> Vec<(LinearNvfp4GemmParams, [u32; 3])> {
+#[allow(clippy::too_many_arguments)]
+fn nvfp4_launches(arch: u32, m: usize, k: usize, parts: &[usize], silu: bool, x_bf16: bool, out_bf16: bool, f: NvForm) -> Vec<(LinearNvfp4GemmParams, [u32; 3])> {
     let n: usize = parts.iter().sum();
     let NvForm { split, ks, nbuf, mt, nt } = f;
-    let base = LinearNvfp4GemmParams { arch: 120, m: m as u32, k: k as u32, rows: 0, row0: 0, up0: 0, part: 0, silu: 0, ldo: n as u32, col0: 0, ks, nbuf, split, mt, nt, threads: 256, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32 };
+    let base = LinearNvfp4GemmParams { arch, m: m as u32, k: k as u32, rows: 0, row0: 0, up0: 0, part: 0, silu: 0, ldo: n as u32, col0: 0, ks, nbuf, split, mt, nt, threads: 256, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32 };
     let (bm, bn) = if split == 1 { (16 * mt as usize, 8 * nt as usize) } else { (NV_BM, NV_BN) };
     let grid = |cols: usize, per: usize| [cols.div_ceil(per) as u32, m.div_ceil(bm) as u32, 1];
     if silu {
@@ -79,8 +86,23 @@ struct Nvfp4Case {
     scale_mul: f32,
 }
 
-/// Runs one case; returns the global bytes read over its launches.
-fn nvfp4_case(c: &Nvfp4Case, seed: u64) -> u64 {
+/// The case's form within the shared memory of one block: sm_90a's stages are larger (f16
+/// activation planes), so a ring too deep for it loses buffers, then K steps per stage.
+fn fitted(arch: u32, c: &Nvfp4Case) -> NvForm {
+    let mut f = c.form;
+    let smem = |f: NvForm| nvfp4_launches(arch, c.m, c.k, &c.parts, c.silu, c.x_bf16, c.out_bf16, f).iter().map(|(p, _)| p.dynamic_smem().unwrap()).max().unwrap();
+    while smem(f) > 101_376 {
+        if f.nbuf > 2 {
+            f.nbuf -= 1;
+        } else {
+            f.ks /= 2;
+        }
+    }
+    f
+}
+
+/// Runs one case for `arch` (120 or 90); returns the global bytes read over its launches.
+fn nvfp4_case(c: &Nvfp4Case, arch: u32, seed: u64) -> u64 {
     let mut rng = Rng::new(seed);
     let (m, k) = (c.m, c.k);
     let n: usize = c.parts.iter().sum();
@@ -102,13 +124,13 @@ fn nvfp4_case(c: &Nvfp4Case, seed: u64) -> u64 {
     let bo = g.alloc("out", m * cols * if c.out_bf16 { 2 } else { 4 });
     let args: Vec<KernelArg> = [bx, bw, bs, b2, bi, bo].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
     let mut read = 0;
-    for (params, grid) in nvfp4_launches(m, k, &c.parts, c.silu, c.x_bf16, c.out_bf16, c.form) {
+    for (params, grid) in nvfp4_launches(arch, m, k, &c.parts, c.silu, c.x_bf16, c.out_bf16, fitted(arch, c)) {
         let module = Module::parse(&params.render().unwrap(), "linear_nvfp4_gemm.ptx").unwrap();
         let s: LaunchStats = launch(&module, LinearNvfp4GemmParams::ENTRY, grid, [256, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
         read += s.global_bytes_read();
     }
     let got = floats(&g.read(bo), c.out_bf16);
-    check(&format!("nvfp4 gemm M={m} parts={:?} K={k} silu={} {:?}", c.parts, c.silu, c.form), c.out_bf16, &got, &want);
+    check(&format!("nvfp4 gemm sm_{arch}a M={m} parts={:?} K={k} silu={} {:?}", c.parts, c.silu, fitted(arch, c)), c.out_bf16, &got, &want);
     // Each row block streams its weight rows once and each column block its activation rows
     // once: nothing else is read (beyond the per-part scalars).
     let x_bytes = m * k * if c.x_bf16 { 2 } else { 4 };
@@ -144,7 +166,9 @@ fn nvfp4_gemm_matches_the_cpu_on_ragged_shapes() {
         Nvfp4Case { m: 36, parts: vec![48, 48], k: 128, silu: true, x_bf16: false, out_bf16: true, split_scales: true, form: nv_tiled(2, 3), scale_mul: 0.125 },
     ];
     for (i, c) in cases.iter().enumerate() {
-        nvfp4_case(c, 500 + i as u64);
+        for arch in [120, 90] {
+            nvfp4_case(c, arch, 500 + i as u64);
+        }
     }
 }
 
@@ -161,7 +185,9 @@ fn split_k_nvfp4_gemm_matches_the_cpu_for_decode_sized_m() {
         c(32, vec![136, 136], 192, true, true, true, false, nv_split(2, 2)),
     ];
     for (i, case) in cases.iter().enumerate() {
-        nvfp4_case(case, 900 + i as u64);
+        for arch in [120, 90] {
+            nvfp4_case(case, arch, 900 + i as u64);
+        }
     }
 }
 
@@ -169,9 +195,9 @@ fn split_k_nvfp4_gemm_matches_the_cpu_for_decode_sized_m() {
 fn gemms_match_the_cpu_at_glm5_depth() {
     // GLM-5's K = 6144 (48 stages of 128), tp8 shared-expert gate/up sized rows, M over a tile;
     // and a BF16 kv_a-like projection (K = 6144 -> 576 rows cut to 136 here).
-    nvfp4_case(&Nvfp4Case { m: 65, parts: vec![136, 136], k: 6144, silu: true, x_bf16: true, out_bf16: true, split_scales: false, form: nv_tiled(1, 3), scale_mul: 1.0 }, 700);
-    nvfp4_case(&Nvfp4Case { m: 40, parts: vec![130], k: 1536, silu: false, x_bf16: true, out_bf16: false, split_scales: false, form: nv_tiled(4, 2), scale_mul: 1.0 }, 701);
-    nvfp4_case(&Nvfp4Case { m: 24, parts: vec![40, 40], k: 6144, silu: true, x_bf16: true, out_bf16: true, split_scales: false, form: nv_split(2, 2), scale_mul: 1.0 }, 704);
+    nvfp4_case(&Nvfp4Case { m: 65, parts: vec![136, 136], k: 6144, silu: true, x_bf16: true, out_bf16: true, split_scales: false, form: nv_tiled(1, 3), scale_mul: 1.0 }, 120, 700);
+    nvfp4_case(&Nvfp4Case { m: 40, parts: vec![130], k: 1536, silu: false, x_bf16: true, out_bf16: false, split_scales: false, form: nv_tiled(4, 2), scale_mul: 1.0 }, 120, 701);
+    nvfp4_case(&Nvfp4Case { m: 24, parts: vec![40, 40], k: 6144, silu: true, x_bf16: true, out_bf16: true, split_scales: false, form: nv_split(2, 2), scale_mul: 1.0 }, 120, 704);
     bf16_case(65, 136, 6144, true, true, tiled(4, 2, 4), 702);
     bf16_case(24, 136, 6144, true, true, split(2, 4), 703);
 }
@@ -269,19 +295,24 @@ fn glm5_prefill_shapes_assemble_without_spills() {
     let mut kernels: Vec<(String, String, u32)> = Vec::new();
     // NVFP4 tp8: dense MLP / shared expert gate+up (K 6144 -> 2 x 1536 or 2 x 256), down projections
     // (K 1536 or 256 -> 6144), q_a / o_proj sized single and two-part linears; tiny shapes too.
-    for m in [1usize, 16, 32, 33, 2048, 8192] {
+    for (arch, m) in [120, 90].into_iter().flat_map(|a| [1usize, 16, 32, 33, 2048, 8192].map(|m| (a, m))) {
         for &(k, parts, silu) in &[(6144, &[1536, 1536][..], true), (6144, &[256, 256][..], true), (1536, &[6144][..], false), (256, &[6144][..], false), (6144, &[2048][..], false), (2048, &[6144][..], false), (6144, &[1536, 576][..], false), (80, &[40, 150][..], false), (272, &[72, 72][..], true)] {
             for (x_bf16, out_bf16) in [(true, true), (false, false)] {
-                let form = if m <= 32 { nv_split(m.div_ceil(16) as u32, if silu { 2 } else { 4 }) } else if silu { nv_tiled(1, 3) } else { nv_tiled(1, 4) };
-                for (p, _) in nvfp4_launches(m, k, parts, silu, x_bf16, out_bf16, form) {
-                    let name = format!("nvfp4_m{m}_k{k}_rows{}_silu{}_x{}_o{}_{form:?}", p.rows, p.silu, p.x_bf16, p.out_bf16).replace([' ', ',', '{', '}', ':'], "");
+                // as lowering picks them (sm_90a's larger stages: one buffer fewer)
+                let form = if m <= 32 {
+                    nv_split(m.div_ceil(16) as u32, if silu { 2 } else { 4 })
+                } else {
+                    nv_tiled(1, if silu { 3 } else { 4 } - (arch == 90) as u32)
+                };
+                for (p, _) in nvfp4_launches(arch, m, k, parts, silu, x_bf16, out_bf16, form) {
+                    let name = format!("nvfp4_sm{arch}_m{m}_k{k}_rows{}_silu{}_x{}_o{}_{form:?}", p.rows, p.silu, p.x_bf16, p.out_bf16).replace([' ', ',', '{', '}', ':'], "");
                     kernels.push((name, p.render().unwrap(), p.dynamic_smem().unwrap()));
                 }
             }
         }
     }
     // BF16: q_a (6144 -> 2048), o_proj (2048 -> 6144), kv_a (6144 -> 576), lm_head (6144 -> 154880 / 8).
-    for m in [1u32, 16, 32, 33, 64, 2048, 8192] {
+    for (arch, m) in [120, 90].into_iter().flat_map(|a| [1u32, 16, 32, 33, 64, 2048, 8192].map(|m| (a, m))) {
         for &(n, k) in &[(2048u32, 6144u32), (6144, 2048), (576, 6144), (19360, 6144), (40, 80), (150, 1040)] {
             for (x_bf16, out_bf16) in [(1, 1), (1, 0), (0, 0)] {
                 // as lowering picks them
@@ -292,8 +323,8 @@ fn glm5_prefill_shapes_assemble_without_spills() {
                 } else {
                     tiled(2, 2, 3)
                 };
-                let p = LinearBf16GemmParams { arch: 120, m, n, k, split: f.split, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16, out_bf16 };
-                kernels.push((format!("bf16_m{m}_n{n}_k{k}_x{x_bf16}_o{out_bf16}_s{}_mt{}_nt{}_kb{}_nbuf{}", f.split, f.mt, f.nt, f.kb, f.nbuf), p.render().unwrap(), p.dynamic_smem().unwrap()));
+                let p = LinearBf16GemmParams { arch, m, n, k, split: f.split, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16, out_bf16 };
+                kernels.push((format!("bf16_sm{arch}_m{m}_n{n}_k{k}_x{x_bf16}_o{out_bf16}_s{}_mt{}_nt{}_kb{}_nbuf{}", f.split, f.mt, f.nt, f.kb, f.nbuf), p.render().unwrap(), p.dynamic_smem().unwrap()));
             }
         }
     }
@@ -305,11 +336,12 @@ fn glm5_prefill_shapes_assemble_without_spills() {
         assert!(regs <= 255, "{name}: {regs} registers");
         assert!(smem + dynamic <= 101_376, "{name}: {smem} + {dynamic} B shared memory");
         let split = name.contains("split1") || name.contains("_s1_");
-        let form = format!("{} {}", name.split('_').next().unwrap(), if split { "split-K" } else { "tiled" });
+        let mut words = name.split('_');
+        let form = format!("{} {} {}", words.next().unwrap(), if split { "split-K" } else { "tiled" }, common::target_of(ptx).name());
         let e = forms.entry(form).or_insert((0, u32::MAX, 0, u32::MAX, 0));
         *e = (e.0 + 1, e.1.min(regs), e.2.max(regs), e.3.min(smem + dynamic), e.4.max(smem + dynamic));
     }
     for (form, (n, r0, r1, s0, s1)) in forms {
-        eprintln!("{form}: {n} instances assemble for sm_120a, 0 spills, {r0}..{r1} registers, {s0}..{s1} B shared memory");
+        eprintln!("{form}: {n} instances assemble, 0 spills, {r0}..{r1} registers, {s0}..{s1} B shared memory");
     }
 }

@@ -4,7 +4,14 @@
 //! by several tokens, token groups smaller than an expert's tokens, ragged sizes, and the
 //! tensor-core (mma m16n8k64 NVFP4) prefill path of both kernels; decode reads each selected
 //! expert's weights about once (global bytes read / compulsory <= 1.10); the GLM-5 tp8 instances
-//! (TP and EP, decode and prefill) assemble for sm_120a without spills and inside the limits.
+//! (TP and EP, decode and prefill) assemble for sm_120a and sm_90a without spills and inside the
+//! limits.
+//!
+//! Every case runs for both targets. The sm_90a forms round activations to e2m1 with float ops
+//! and decode codes with integer ops into values scaled by powers of two, so their CUDA-core
+//! (decode) path computes exactly the sm_120a numbers (checked bit for bit); their tensor-core
+//! path multiplies the same exact values in f16 mma m16n8k16 instead of the block-scaled FP4 mma,
+//! which changes only the summation order, so the same BF16 tolerance (one rounding) applies.
 
 mod common;
 
@@ -38,9 +45,11 @@ fn lanes(k: usize) -> u32 {
     (k / 16).next_power_of_two().clamp(1, 32) as u32
 }
 
-/// K chunk of the tensor-core path (compiler/src/passes/lower/moe.rs: mma_chunk).
-fn mma_chunk(k: usize) -> usize {
-    (1..=16).rev().map(|c| c * 64).find(|&c| k % c == 0).unwrap_or(64)
+/// K chunk of the tensor-core path (compiler/src/passes/lower/moe.rs: mma_chunk): up to 1024 on
+/// sm_120a, 256 on sm_90a.
+fn mma_chunk(arch: u32, k: usize) -> usize {
+    let most = if arch == 90 { 4 } else { 16 };
+    (1..=most).rev().map(|c| c * 64).find(|&c| k % c == 0).unwrap_or(64)
 }
 
 /// The token group the lowering picks (compiler/src/passes/lower/moe.rs: group_size; decode
@@ -204,9 +213,11 @@ struct Case {
 struct Run {
     read: u64,
     compulsory: u64,
+    out: Vec<f32>,
 }
 
-fn run(c: &Case, seed: u64) -> Run {
+/// Runs both kernels for `arch` (120 or 90) and checks them against the CPU.
+fn run(c: &Case, arch: u32, seed: u64) -> Run {
     let sh = c.shape;
     let m = model(sh, seed, c.split_scales);
     let mut rng = Rng::new(seed + 1000);
@@ -225,7 +236,7 @@ fn run(c: &Case, seed: u64) -> Run {
     let mma_dn = c.mma && inter % 64 == 0;
     let g2 = if mma_dn { 32 } else { c.group.unwrap_or_else(|| group(c.tokens, inter * 3 / 4)) };
     let pg = MoeGateUpParams {
-        arch: 120,
+        arch,
         tokens: c.tokens as u32,
         topk: sh.top_k as u32,
         experts: el as u32,
@@ -235,12 +246,12 @@ fn run(c: &Case, seed: u64) -> Run {
         cols: COLS,
         lanes: c.lanes.unwrap_or_else(|| lanes(sh.hidden)),
         mma: c.mma as u32,
-        kc: mma_chunk(sh.hidden) as u32,
+        kc: mma_chunk(arch, sh.hidden) as u32,
         threads: THREADS,
         x_bf16: c.x_bf16 as u32,
     };
     let pd = MoeDownParams {
-        arch: 120,
+        arch,
         tokens: c.tokens as u32,
         topk: sh.top_k as u32,
         experts: el as u32,
@@ -250,7 +261,7 @@ fn run(c: &Case, seed: u64) -> Run {
         cols: COLS,
         lanes: c.lanes.unwrap_or_else(|| lanes(inter)),
         mma: mma_dn as u32,
-        kc: mma_chunk(inter) as u32,
+        kc: mma_chunk(arch, inter) as u32,
         threads: THREADS,
         w_bf16: c.w_bf16 as u32,
         out_bf16: 1,
@@ -282,7 +293,7 @@ fn run(c: &Case, seed: u64) -> Run {
     let s2 = launch(&md, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(COLS), 1, 1], [THREADS, 1, 1], pd.dynamic_smem().unwrap(), &args2, &mut g).unwrap();
     let got: Vec<f32> = g.read(bout).chunks_exact(2).map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
 
-    let what = format!("moe {:?} {:?} tokens={} padding={:?} G={g1}/{g2} mma={}", sh, c.split, c.tokens, c.padding, c.mma);
+    let what = format!("moe sm_{arch}a {:?} {:?} tokens={} padding={:?} G={g1}/{g2} mma={}", sh, c.split, c.tokens, c.padding, c.mma);
     let cmp = compare(DType::BF16, &Values::F32(got.clone()), &Values::F32(want.clone()));
     let nonzero = want.iter().filter(|&&v| v != 0.0).count();
     let amax = want.iter().fold(0f32, |a, v| a.max(v.abs()));
@@ -310,7 +321,16 @@ fn run(c: &Case, seed: u64) -> Run {
         + x_rows * sh.hidden * if c.x_bf16 { 2 } else { 4 }
         + pairs.len() * inter * 2
         + c.tokens * (4 + sh.top_k * 4 + sh.top_k * if c.w_bf16 { 2 } else { 4 });
-    Run { read: s1.global_bytes_read() + s2.global_bytes_read(), compulsory: compulsory as u64 }
+    Run { read: s1.global_bytes_read() + s2.global_bytes_read(), compulsory: compulsory as u64, out: got }
+}
+
+/// Runs a case for both targets; the CUDA-core path must agree bit for bit.
+fn run_both(c: &Case, seed: u64) {
+    let sm120 = run(c, 120, seed);
+    let sm90 = run(c, 90, seed);
+    if !c.mma {
+        assert!(sm90.out.iter().zip(&sm120.out).all(|(a, b)| a.to_bits() == b.to_bits()), "sm_90a differs from sm_120a on the CUDA-core path");
+    }
 }
 
 #[test]
@@ -334,7 +354,7 @@ fn moe_matches_the_cpu_under_tp_and_ep() {
         Case { shape: RAGGED, tokens: 3, padding: vec![2], share: 2, split: Split::Ep { ranks: 2, rank: 1 }, group: None, lanes: None, mma: false, x_bf16: true, w_bf16: false, split_scales: false },
     ];
     for (i, c) in cases.iter().enumerate() {
-        run(c, 40 + i as u64);
+        run_both(c, 40 + i as u64);
     }
 }
 
@@ -352,23 +372,23 @@ fn prefill_moe_on_the_tensor_cores_matches_the_cpu() {
         Case { shape: Shape { hidden: 320, inter: 80, experts: 6, top_k: 3 }, tokens: 33, padding: vec![5], share: 20, split: tp1, group: None, lanes: None, mma: true, x_bf16: true, w_bf16: false, split_scales: true },
     ];
     for (i, c) in cases.iter().enumerate() {
-        run(c, 60 + i as u64);
+        run_both(c, 60 + i as u64);
     }
 }
 
 #[test]
 fn moe_of_only_padding_is_zero() {
     let c = Case { shape: TINY, tokens: 3, padding: vec![0, 1, 2], share: 0, split: Split::Tp { tp: 1, rank: 0 }, group: None, lanes: None, mma: false, x_bf16: true, w_bf16: false, split_scales: false };
-    run(&c, 7);
+    run_both(&c, 7);
 }
 
 #[test]
 fn decode_moe_reads_the_selected_experts_once() {
-    for (tokens, limit) in [(1, 1.10), (4, 1.25)] {
+    for (arch, tokens, limit) in [(120, 1, 1.10), (120, 4, 1.25), (90, 1, 1.10), (90, 4, 1.25)] {
         let c = Case { shape: TINY, tokens, padding: vec![], share: 0, split: Split::Tp { tp: 1, rank: 0 }, group: None, lanes: None, mma: false, x_bf16: true, w_bf16: false, split_scales: false };
-        let r = run(&c, 77);
+        let r = run(&c, arch, 77);
         let ratio = r.read as f64 / r.compulsory as f64;
-        eprintln!("decode MoE batch {tokens}: {} B read / {} B compulsory = {ratio:.3}", r.read, r.compulsory);
+        eprintln!("decode MoE sm_{arch}a batch {tokens}: {} B read / {} B compulsory = {ratio:.3}", r.read, r.compulsory);
         assert!(ratio <= limit, "batch {tokens}: byte ratio {ratio}");
         assert!(ratio >= 1.0, "read less than the compulsory bytes? {ratio}");
     }
@@ -381,15 +401,15 @@ fn glm5_decode_moe_reads_the_selected_experts_once() {
     let sh = Shape { hidden: 6144, inter: 256, experts: 16, top_k: 8 };
     for (tokens, limit) in [(1, 1.10), (4, 1.25)] {
         let c = Case { shape: sh, tokens, padding: vec![], share: 0, split: Split::Tp { tp: 1, rank: 0 }, group: None, lanes: None, mma: false, x_bf16: true, w_bf16: false, split_scales: false };
-        let r = run(&c, 99);
+        let r = run(&c, 120, 99);
         let ratio = r.read as f64 / r.compulsory as f64;
         eprintln!("GLM-5 tp8 decode MoE batch {tokens}: {} B read / {} B compulsory = {ratio:.3}", r.read, r.compulsory);
         assert!(ratio >= 1.0 && ratio <= limit, "batch {tokens}: byte ratio {ratio}");
     }
 }
 
-/// (name, gate/up params, down params) of the GLM-5 tp8 instances the lowering emits.
-fn glm5_instances() -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
+/// (name, gate/up params, down params) of the GLM-5 tp8 instances the lowering emits for `arch`.
+fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
     let (hidden, top_k) = (6144usize, 8usize);
     let mut out = Vec::new();
     // TP: 256 experts x 256 intermediate per rank; EP: 32 experts x 2048.
@@ -398,17 +418,17 @@ fn glm5_instances() -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
             let mma = tokens > 64;
             let g1 = if mma { 32 } else { group(tokens, hidden * 3 / 2) };
             let g2 = if mma { 32 } else { group(tokens, inter * 3 / 4) };
-            let gu = MoeGateUpParams { arch: 120, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols: COLS, lanes: lanes(hidden), mma: mma as u32, kc: mma_chunk(hidden) as u32, threads: THREADS, x_bf16: 1 };
-            let dn = MoeDownParams { arch: 120, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: COLS, lanes: lanes(inter), mma: mma as u32, kc: mma_chunk(inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1 };
-            out.push((format!("glm5 {mode} tokens={tokens} G={g1}/{g2} mma={mma}"), gu, dn));
+            let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols: COLS, lanes: lanes(hidden), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: THREADS, x_bf16: 1 };
+            let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: COLS, lanes: lanes(inter), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1 };
+            out.push((format!("sm_{arch}a glm5 {mode} tokens={tokens} G={g1}/{g2} mma={mma}"), gu, dn));
         }
     }
     // and the tiny model's
     for (tokens, mma) in [(1usize, false), (17, false), (128, true)] {
         let g1 = if mma { 32 } else { group(tokens, 384) };
-        let gu = MoeGateUpParams { arch: 120, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, k: 256, g: g1 as u32, cols: COLS, lanes: lanes(256), mma: mma as u32, kc: 256, threads: THREADS, x_bf16: 1 };
-        let dn = MoeDownParams { arch: 120, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, hidden: 256, g: if mma { 32 } else { group(tokens, 96) } as u32, cols: COLS, lanes: lanes(128), mma: mma as u32, kc: 128, threads: THREADS, w_bf16: 0, out_bf16: 1 };
-        out.push((format!("tiny tokens={tokens} mma={mma}"), gu, dn));
+        let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, k: 256, g: g1 as u32, cols: COLS, lanes: lanes(256), mma: mma as u32, kc: 256, threads: THREADS, x_bf16: 1 };
+        let dn = MoeDownParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, hidden: 256, g: if mma { 32 } else { group(tokens, 96) } as u32, cols: COLS, lanes: lanes(128), mma: mma as u32, kc: 128, threads: THREADS, w_bf16: 0, out_bf16: 1 };
+        out.push((format!("sm_{arch}a tiny tokens={tokens} mma={mma}"), gu, dn));
     }
     out
 }
@@ -419,7 +439,7 @@ fn moe_kernels_assemble_at_glm5_shapes() {
     let dir = std::env::temp_dir().join(format!("kiln-moe-ptxas-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut failures = Vec::new();
-    for (name, gu, dn) in glm5_instances() {
+    for (name, gu, dn) in glm5_instances(120).into_iter().chain(glm5_instances(90)) {
         for (kernel, ptx, smem) in [("gate_up", gu.render().unwrap(), gu.dynamic_smem().unwrap()), ("down", dn.render().unwrap(), dn.dynamic_smem().unwrap())] {
             let r = match common::assemble(&ptxas, &format!("{name}_{kernel}"), &ptx) {
                 Ok(r) => r,

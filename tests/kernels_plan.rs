@@ -1,8 +1,12 @@
 //! Kernels in whole plans, through the binary: every kernel of the full-size GLM-5 plan
-//! (`sm_120a --tp 8`) assembles with ptxas without spills and inside the register and
-//! shared-memory budgets; `kiln verify --backend emu` on the tiny demo plan (tp 1 and 2) names no
-//! failing step; artifacts with kernels are byte-identical across compiles.
+//! (`--tp 8`, for sm_120a and sm_90a) assembles with ptxas without spills and inside the register
+//! and shared-memory budgets, and so does every kernel of the sm_90a plans of the tiny model and
+//! the oracle goldens; `kiln verify --backend emu` on the tiny demo plan (tp 1 and 2, both
+//! targets) names no failing step; artifacts with kernels are byte-identical across compiles.
 
+mod common;
+
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -36,37 +40,87 @@ fn glm5_tp8_kernels_assemble_without_spills() {
     };
     let dir = scratch("glm5");
     kiln(&["synth", "glm5", "-o", s(&dir.join("ckpt"))]);
-    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["compile", s(&dir.join("ckpt")), "--target", "sm_120a", "--tp", "8", "-o", s(&dir.join("plan"))])
-        .env("KILN_PTXAS", &ptxas)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let j = inspect_json(&dir.join("plan"));
-    let kernels = j["kernels"].as_array().unwrap();
-    assert!(kernels.len() > 20, "{} kernels", kernels.len());
-    let (mut max_regs, mut max_smem) = (0, 0);
-    for k in kernels {
-        let name = k["name"].as_str().unwrap();
-        let r = &k["resources"];
-        assert!(r.is_object(), "{name} was not assembled");
-        assert_eq!(r["spill_store_bytes"], 0, "{name} spills");
-        assert_eq!(r["spill_load_bytes"], 0, "{name} spills");
-        let regs = r["registers"].as_u64().unwrap();
-        let smem = r["smem_static_bytes"].as_u64().unwrap() + k["smem_dynamic_bytes"].as_u64().unwrap();
-        assert!(regs <= 255 && smem <= 101_376, "{name}: {regs} registers, {smem} B shared memory");
-        assert!(dir.join("plan/kernels").join(format!("{name}.cubin")).is_file() && dir.join("plan/kernels").join(format!("{name}.ptx")).is_file());
-        max_regs = max_regs.max(regs);
-        max_smem = max_smem.max(smem);
+    for target in ["sm_120a", "sm_90a"] {
+        let plan = dir.join(format!("plan-{target}"));
+        let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(["compile", s(&dir.join("ckpt")), "--target", target, "--tp", "8", "-o", s(&plan)])
+            .env("KILN_PTXAS", &ptxas)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let j = inspect_json(&plan);
+        let kernels = j["kernels"].as_array().unwrap();
+        assert!(kernels.len() > 20, "{} kernels", kernels.len());
+        let (mut max_regs, mut max_smem) = (0, 0);
+        for k in kernels {
+            let name = k["name"].as_str().unwrap();
+            let r = &k["resources"];
+            assert!(r.is_object(), "{name} was not assembled");
+            assert_eq!(r["arch"], if target == "sm_90a" { "Sm90a" } else { "Sm120a" }, "{name}");
+            assert_eq!(r["spill_store_bytes"], 0, "{name} spills");
+            assert_eq!(r["spill_load_bytes"], 0, "{name} spills");
+            let regs = r["registers"].as_u64().unwrap();
+            let smem = r["smem_static_bytes"].as_u64().unwrap() + k["smem_dynamic_bytes"].as_u64().unwrap();
+            assert!(regs <= 255 && smem <= 101_376, "{name}: {regs} registers, {smem} B shared memory");
+            assert!(plan.join("kernels").join(format!("{name}.cubin")).is_file() && plan.join("kernels").join(format!("{name}.ptx")).is_file());
+            max_regs = max_regs.max(regs);
+            max_smem = max_smem.max(smem);
+        }
+        eprintln!("GLM-5 {target} tp8: {} kernels, at most {max_regs} registers and {max_smem} B shared memory, 0 spills", kernels.len());
     }
-    eprintln!("GLM-5 sm_120a tp8: {} kernels, at most {max_regs} registers and {max_smem} B shared memory, 0 spills", kernels.len());
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-fn verify_tiny(tp: &str) {
-    let dir = scratch(&format!("tiny-tp{tp}"));
-    kiln(&["synth", "tiny", "-o", s(&dir.join("ckpt"))]);
-    kiln(&["compile", s(&dir.join("ckpt")), "--target", "sm_120a", "--tp", tp, "--no-ptxas", "-o", s(&dir.join("plan"))]);
+/// The sm_90a plans of the tiny model (tp 1 and 2) and of the NVFP4 oracle goldens: each distinct
+/// kernel (plans share most of them) assembles with ptxas for sm_90a without spills, within 255
+/// registers and, with its largest launch's dynamic shared memory, within the limit.
+#[test]
+fn sm90a_plans_of_the_small_checkpoints_assemble_without_spills() {
+    let Some(ptxas) = common::ptxas("the sm_90a plans") else { return };
+    let dir = scratch("sm90-small");
+    let tiny = dir.join("tiny");
+    kiln(&["synth", "tiny", "-o", s(&tiny)]);
+    let goldens = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/goldens");
+    let mut ckpts: Vec<(PathBuf, &str)> = vec![(tiny.clone(), "1"), (tiny, "2")];
+    ckpts.extend(["nvfp4_flatcfg", "nvfp4_groups"].map(|g| (goldens.join(g).join("ckpt"), "1")));
+    // name -> (PTX, largest dynamic shared memory of its launches)
+    let mut kernels: BTreeMap<String, (String, u32)> = BTreeMap::new();
+    for (i, (ckpt, tp)) in ckpts.iter().enumerate() {
+        let art = dir.join(format!("plan{i}"));
+        kiln(&["compile", s(ckpt), "--target", "sm_90a", "--tp", tp, "--no-ptxas", "-o", s(&art)]);
+        let plan = kiln_runtime::plan::read_plan(&art).unwrap();
+        for p in &plan.programs {
+            for l in p.steps.iter().flat_map(|st| &st.launches) {
+                let k = &plan.kernels[l.kernel.0 as usize];
+                let e = kernels.entry(k.name.clone()).or_insert_with(|| (k.ptx.clone(), 0));
+                e.1 = e.1.max(l.smem_dynamic);
+            }
+        }
+    }
+    let list: Vec<(&String, &(String, u32))> = kernels.iter().collect();
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).min(8);
+    let results: Vec<(String, kiln_runtime::plan::Resources)> = std::thread::scope(|sc| {
+        let handles: Vec<_> = list
+            .chunks(list.len().div_ceil(threads))
+            .map(|chunk| sc.spawn(|| chunk.iter().map(|(name, (ptx, smem))| ((*name).clone(), common::assemble_within_budget(&ptxas, name, ptx, *smem))).collect::<Vec<_>>()))
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().expect("ptxas thread")).collect()
+    });
+    assert!(results.iter().all(|(_, r)| r.arch.name() == "sm_90a"));
+    let max_regs = results.iter().map(|(_, r)| r.registers).max().unwrap_or(0);
+    eprintln!("{} distinct sm_90a kernels of {} plans assemble without spills, at most {max_regs} registers", results.len(), ckpts.len());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `kiln verify --backend emu` of the tiny plan for `target` at `tp`, compiled with `extra`
+/// options; at decode batch 1 the NVFP4 weights are read once.
+fn verify_tiny(target: &str, tp: &str, extra: &[&str]) {
+    let dir = scratch(&format!("tiny-{target}-tp{tp}"));
+    let (ckpt, plan) = (dir.join("ckpt"), dir.join("plan"));
+    kiln(&["synth", "tiny", "-o", s(&ckpt)]);
+    let mut args = vec!["compile", s(&ckpt), "--target", target, "--tp", tp, "--no-ptxas", "-o", s(&plan)];
+    args.extend(extra);
+    kiln(&args);
     let o = kiln(&["verify", s(&dir.join("plan")), "--backend", "emu"]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.contains("first step beyond tolerance: none"), "{out}");
@@ -92,12 +146,26 @@ fn verify_tiny(tp: &str) {
 
 #[test]
 fn verify_tiny_tp1_on_the_emulator() {
-    verify_tiny("1");
+    verify_tiny("sm_120a", "1", &[]);
 }
 
 #[test]
 fn verify_tiny_tp2_on_the_emulator() {
-    verify_tiny("2");
+    verify_tiny("sm_120a", "2", &[]);
+}
+
+/// The sm_90a kernels (e2m1 without cvt, decoded f16 mma) step by step against the CPU. Fewer
+/// programs than the default plan keep it short but cover every form: the GEMVs and the MoE's
+/// CUDA-core path (decode_1, decode_4, prefill_16), the tiled GEMMs (prefill_64, prefill_256) and
+/// the MoE's tensor-core path (prefill_256: more than 64 tokens).
+#[test]
+fn verify_tiny_sm90a_tp1_on_the_emulator() {
+    verify_tiny("sm_90a", "1", &["--prefill-chunk", "256", "--decode-batches", "1,4"]);
+}
+
+#[test]
+fn verify_tiny_sm90a_tp2_on_the_emulator() {
+    verify_tiny("sm_90a", "2", &["--prefill-chunk", "256", "--decode-batches", "1,4"]);
 }
 
 /// A broken kernel is caught: verify fails and names the step (and the first NaN/Inf).

@@ -1,5 +1,6 @@
 //! Helpers shared by the kernel tests: random data, BF16/F32 bytes, the comparison under `kiln
-//! verify`'s tolerances, and ptxas assembly of rendered instances for sm_120a.
+//! verify`'s tolerances, and ptxas assembly of rendered instances for the target they name
+//! (`.target sm_120a` or `sm_90a`).
 #![allow(dead_code, unused_imports)]
 
 use kiln_compiler::passes::assemble::{find_ptxas, parse_ptxas_log};
@@ -28,33 +29,44 @@ pub fn ptxas(what: &str) -> Option<PathBuf> {
     let found = find_ptxas();
     if found.is_none() {
         assert!(std::env::var_os("CI").is_none(), "CI must provide ptxas (scripts/test.sh installs the wheel)");
-        eprintln!("note: ptxas not found (set KILN_PTXAS or `pip install nvidia-cuda-nvcc-cu12==12.9.86`); skipping the sm_120a assembly check of {what}");
+        eprintln!("note: ptxas not found (set KILN_PTXAS or `pip install nvidia-cuda-nvcc-cu12==12.9.86`); skipping the assembly check of {what}");
     }
     found
 }
 
-/// `ptxas -arch=sm_120a -v` of one rendered instance: its resources, or ptxas' log on failure.
+/// The target a rendered instance names in its `.target` line.
+pub fn target_of(ptx: &str) -> PtxArch {
+    match ptx.lines().find_map(|l| l.trim().strip_prefix(".target ")).map(str::trim) {
+        Some("sm_90a") => PtxArch::Sm90a,
+        Some("sm_120a") => PtxArch::Sm120a,
+        other => panic!("unexpected .target {other:?}"),
+    }
+}
+
+/// `ptxas -arch=<its .target> -v` of one rendered instance: its resources, or ptxas' log on
+/// failure.
 pub fn assemble(ptxas: &Path, name: &str, ptx: &str) -> Result<Resources, String> {
+    let arch = target_of(ptx);
     let dir = std::env::temp_dir().join(format!("kiln-ptxas-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = name.replace(|c: char| !c.is_ascii_alphanumeric() && c != '_', "_");
     let src = dir.join(format!("{file}.ptx"));
     std::fs::write(&src, ptx).unwrap();
-    let o = std::process::Command::new(ptxas).args(["-arch=sm_120a", "-v"]).arg(&src).arg("-o").arg(dir.join(format!("{file}.cubin"))).output().unwrap();
+    let o = std::process::Command::new(ptxas).args([format!("-arch={}", arch.name()).as_str(), "-v"]).arg(&src).arg("-o").arg(dir.join(format!("{file}.cubin"))).output().unwrap();
     let log = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     let _ = std::fs::remove_file(&src);
     let _ = std::fs::remove_file(dir.join(format!("{file}.cubin")));
     if !o.status.success() {
         return Err(format!("ptxas rejected {name}:\n{log}"));
     }
-    parse_ptxas_log(&log, PtxArch::Sm120a).ok_or_else(|| format!("{name}: cannot read the ptxas log:\n{log}"))
+    parse_ptxas_log(&log, arch).ok_or_else(|| format!("{name}: cannot read the ptxas log:\n{log}"))
 }
 
 /// Assembles one instance and asserts the budgets: no spills, <= 255 registers, static +
 /// `dynamic_smem` shared memory <= 101,376 B.
 pub fn assemble_within_budget(ptxas: &Path, name: &str, ptx: &str, dynamic_smem: u32) -> Resources {
     let r = assemble(ptxas, name, ptx).unwrap_or_else(|e| panic!("{e}"));
-    eprintln!("{name}: {} registers, {} + {} B spilled, {} B static + {dynamic_smem} B dynamic shared memory", r.registers, r.spill_store_bytes, r.spill_load_bytes, r.smem_static_bytes);
+    eprintln!("{name} ({}): {} registers, {} + {} B spilled, {} B static + {dynamic_smem} B dynamic shared memory", r.arch.name(), r.registers, r.spill_store_bytes, r.spill_load_bytes, r.smem_static_bytes);
     assert!(r.spill_store_bytes == 0 && r.spill_load_bytes == 0, "{name} spills");
     assert!(r.registers <= 255 && r.smem_static_bytes + dynamic_smem <= 101_376, "{name}: {} registers, {} B shared memory", r.registers, r.smem_static_bytes + dynamic_smem);
     r

@@ -14,9 +14,10 @@
 //! // end-header
 //! ```
 //! The body is PTX with `${EXPR}` placeholders and line directives `#for VAR in A..B`, `#end`,
-//! `#if EXPR`, `#else`, `#endif`; `EXPR` is integer arithmetic (`+ - * / %`, parentheses) over
-//! the params, loop variables and literals. Shapes are baked in: a rendered kernel has no shape
-//! arguments.
+//! `#if EXPR`, `#else`, `#endif` and `#let NAME = EXPR` (a constant for the lines after it, e.g.
+//! a layout size that differs per target); `EXPR` is integer arithmetic (`+ - * / %`,
+//! parentheses) and comparisons (`==`, `!=`: 1 or 0) over the params, loop variables, `#let`
+//! constants and literals. Shapes are baked in: a rendered kernel has no shape arguments.
 
 use std::collections::BTreeMap;
 
@@ -99,10 +100,14 @@ pub fn check(h: &Header, body: &str) -> Result<(), String> {
     if found != want {
         return Err(format!("the .entry parameters {found:?} differ from the header's args {want:?}"));
     }
-    // Every placeholder must evaluate with some value of the params (1 for all of them).
-    let ones: Vec<(&str, u64)> = h.params.iter().map(|(n, _)| (n.as_str(), 16)).collect();
-    eval_params(&h.smem, &ones)?;
-    render(body, &ones).map(|_| ())
+    // Every placeholder must evaluate with some value of the params (16 for all of them), and
+    // with each target's `ARCH` (its branches).
+    for arch in [16, 120, 90] {
+        let values: Vec<(&str, u64)> = h.params.iter().map(|(n, _)| (n.as_str(), if n == "ARCH" { arch } else { 16 })).collect();
+        eval_params(&h.smem, &values)?;
+        render(body, &values).map_err(|e| format!("ARCH = {arch}: {e}"))?;
+    }
+    Ok(())
 }
 
 /// Evaluates an expression over the param values.
@@ -148,6 +153,15 @@ fn render_lines(lines: &[&str], mut i: usize, end: usize, vars: &mut BTreeMap<St
                 render_lines(lines, e + 1, close, vars, out)?;
             }
             i = close + 1;
+        } else if let Some(rest) = t.strip_prefix("#let ") {
+            let (name, expr) = rest.split_once('=').ok_or_else(|| format!("line {}: `#let NAME = EXPR`", i + 1))?;
+            let name = name.trim();
+            if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') || vars.contains_key(name) {
+                return Err(format!("line {}: `#let {name}` must name a new constant", i + 1));
+            }
+            let v = eval(expr, vars, i)?;
+            vars.insert(name.to_string(), v);
+            i += 1;
         } else if t.starts_with('#') {
             return Err(format!("line {}: unexpected `{}`", i + 1, t));
         } else {
@@ -189,7 +203,7 @@ fn matching(lines: &[&str], start: usize, end: usize, open: &str, close: &str, m
 fn eval(expr: &str, vars: &BTreeMap<String, i64>, line: usize) -> Result<i64, String> {
     let toks = tokens(expr).map_err(|e| format!("line {}: {e} in `{expr}`", line + 1))?;
     let mut pos = 0;
-    let v = sum(&toks, &mut pos, vars).map_err(|e| format!("line {}: {e} in `{expr}`", line + 1))?;
+    let v = compare(&toks, &mut pos, vars).map_err(|e| format!("line {}: {e} in `{expr}`", line + 1))?;
     if pos != toks.len() {
         return Err(format!("line {}: trailing input in `{expr}`", line + 1));
     }
@@ -210,6 +224,9 @@ fn tokens(s: &str) -> Result<Vec<String>, String> {
                 i += 1;
             }
             out.push(cs[st..i].iter().collect());
+        } else if (c == '=' || c == '!') && cs.get(i + 1) == Some(&'=') {
+            out.push(format!("{c}="));
+            i += 2;
         } else if "+-*/%()".contains(c) {
             out.push(c.to_string());
             i += 1;
@@ -218,6 +235,20 @@ fn tokens(s: &str) -> Result<Vec<String>, String> {
         }
     }
     Ok(out)
+}
+
+/// `a == b` / `a != b` (1 or 0; one comparison, below `+ -`), else a sum.
+fn compare(t: &[String], pos: &mut usize, vars: &BTreeMap<String, i64>) -> Result<i64, String> {
+    let a = sum(t, pos, vars)?;
+    match t.get(*pos).map(String::as_str) {
+        Some(op @ ("==" | "!=")) => {
+            let eq = op == "==";
+            *pos += 1;
+            let b = sum(t, pos, vars)?;
+            Ok(((a == b) == eq) as i64)
+        }
+        _ => Ok(a),
+    }
 }
 
 fn sum(t: &[String], pos: &mut usize, vars: &BTreeMap<String, i64>) -> Result<i64, String> {
@@ -249,7 +280,7 @@ fn atom(t: &[String], pos: &mut usize, vars: &BTreeMap<String, i64>) -> Result<i
     let tok = t.get(*pos).ok_or("unexpected end")?.clone();
     *pos += 1;
     if tok == "(" {
-        let v = sum(t, pos, vars)?;
+        let v = compare(t, pos, vars)?;
         if t.get(*pos).map(String::as_str) != Some(")") {
             return Err("missing `)`".into());
         }
@@ -272,6 +303,16 @@ mod tests {
     fn renders_loops_conditions_and_expressions() {
         let body = "a ${N*2+1}\n#for i in 0..N\nx${i}\n#if i%2\nodd\n#else\neven\n#endif\n#end\n";
         assert_eq!(render(body, &[("N", 3)]).unwrap(), "a 7\nx0\neven\nx1\nodd\nx2\neven\n");
+    }
+
+    #[test]
+    fn compares_and_lets() {
+        let body = "#if ARCH == 120\n#let W = 3\n#else\n#let W = 8\n#endif\n${W*2} ${(ARCH!=90)+1} ${ARCH==90}\n";
+        assert_eq!(render(body, &[("ARCH", 120)]).unwrap(), "6 2 0\n");
+        assert_eq!(render(body, &[("ARCH", 90)]).unwrap(), "16 1 1\n");
+        assert!(render("#let ARCH = 1\n", &[("ARCH", 90)]).unwrap_err().contains("line 1: `#let ARCH` must name a new constant"));
+        assert!(render("${1 == 1 == 1}\n", &[]).unwrap_err().contains("trailing input"));
+        assert_eq!(eval_params("(ARCH==120)*5+2", &[("ARCH", 120)]).unwrap(), 7);
     }
 
     #[test]

@@ -38,9 +38,12 @@ fn ring(stage: usize, smem_limit: u32) -> u32 {
 
 /// NVFP4 stages: (64-wide K steps per stage, stage buffers). One k64 step per stage and as deep
 /// a ring as fits two blocks per SM, so several stages of weights are in flight (decode-sized M
-/// is latency-bound); no more buffers than K has stages.
-fn nvfp4_stages(k: usize, silu: bool) -> (u32, u32) {
-    let stage = (if silu { 2 } else { 1 }) * 3328 + 6656;
+/// is latency-bound); no more buffers than K has stages. A stage holds the weight codes and
+/// scales (6656 B) and one activation plane per part: e2m1 codes and scales (3328 B) on
+/// sm_120a, f16 values (8192 B) on sm_90a.
+fn nvfp4_stages(arch: u32, k: usize, silu: bool) -> (u32, u32) {
+    let plane = if arch == 90 { 8192 } else { 3328 };
+    let stage = (if silu { 2 } else { 1 }) * plane + 6656;
     let nbuf = (TWO_BLOCKS_SMEM / stage).clamp(2, 4).min(k.div_ceil(64).max(2));
     (1, nbuf as u32)
 }
@@ -87,7 +90,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             Ok(vec![of_grid(&params, grid, THREADS, args.launch_args())])
         }
         LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => {
-            let silu = super::nvfp4_linear_shape(cx.arch, k, parts, epilogue, "GEMM")?;
+            let silu = super::nvfp4_linear_shape(k, parts, epilogue, "GEMM")?;
             let args = LinearNvfp4GemmArgs {
                 x: Ptr::Buffer(input),
                 w: Ptr::Weight(weight),
@@ -108,8 +111,8 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
                 silu: silu as u32,
                 ldo: u(if silu { parts[0].rows } else { n }),
                 col0: 0,
-                ks: nvfp4_stages(k, silu).0,
-                nbuf: nvfp4_stages(k, silu).1,
+                ks: nvfp4_stages(cx.arch, k, silu).0,
+                nbuf: nvfp4_stages(cx.arch, k, silu).1,
                 split: 0,
                 mt: 1,
                 nt: 2,
@@ -162,9 +165,12 @@ mod tests {
 
     #[test]
     fn nvfp4_stages_fit_two_blocks_per_sm() {
-        assert_eq!(nvfp4_stages(6144, false), (1, 4));
-        assert_eq!(nvfp4_stages(6144, true), (1, 3));
-        assert_eq!(nvfp4_stages(80, false), (1, 2));
-        assert_eq!(nvfp4_stages(16, true), (1, 2));
+        assert_eq!(nvfp4_stages(120, 6144, false), (1, 4));
+        assert_eq!(nvfp4_stages(120, 6144, true), (1, 3));
+        assert_eq!(nvfp4_stages(120, 80, false), (1, 2));
+        assert_eq!(nvfp4_stages(120, 16, true), (1, 2));
+        // sm_90a's f16 activation planes: 14.5 KiB stages (3 buffers), 22.5 KiB with SiLU (2)
+        assert_eq!(nvfp4_stages(90, 6144, false), (1, 3));
+        assert_eq!(nvfp4_stages(90, 6144, true), (1, 2));
     }
 }

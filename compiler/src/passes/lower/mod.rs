@@ -209,12 +209,10 @@ pub(crate) fn bf16_linear_shape(k: usize, epilogue: Epilogue, form: &str) -> Res
     Ok(())
 }
 
-/// What the NVFP4 GEMV and GEMM templates both require of a linear: sm_120a, K a multiple of the
-/// 16-value block, one or two parts, and two equal parts for SiLU-mul. Returns whether SiLU-mul.
-pub(crate) fn nvfp4_linear_shape(arch: u32, k: usize, parts: &[LinearPart], epilogue: Epilogue, form: &str) -> Result<bool, String> {
-    if arch != 120 {
-        return Err(format!("the NVFP4 {form} needs sm_120a (cvt e2m1x2, block-scaled FP4 mma)"));
-    }
+/// What the NVFP4 GEMV and GEMM templates both require of a linear (on either target): K a
+/// multiple of the 16-value block, one or two parts, and two equal parts for SiLU-mul. Returns
+/// whether SiLU-mul.
+pub(crate) fn nvfp4_linear_shape(k: usize, parts: &[LinearPart], epilogue: Epilogue, form: &str) -> Result<bool, String> {
     if k % 16 != 0 || parts.is_empty() || parts.len() > 2 {
         return Err(format!("K = {k} with {} parts is outside the NVFP4 {form} template", parts.len()));
     }
@@ -305,7 +303,7 @@ fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Re
                     Ok(of(&params, (n as u32).div_ceil(TASKS_PER_BLOCK), args.launch_args()))
                 }
                 LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => {
-                    let silu = nvfp4_linear_shape(arch, k, parts, epilogue, "GEMV")?;
+                    let silu = nvfp4_linear_shape(k, parts, epilogue, "GEMV")?;
                     fits(parts.len() * m * k * 2 + 16, smem_limit, &format!("an NVFP4 GEMV with M = {m}, K = {k}"))?;
                     let tasks = if silu { parts[0].rows } else { n };
                     let params = LinearNvfp4GemvParams {

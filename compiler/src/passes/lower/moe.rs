@@ -6,8 +6,9 @@
 //! columns of `acc` for every token and adds the experts' weighted outputs in ascending expert
 //! order, as the CPU does, then rounds into `out`. No float atomics: the result is deterministic.
 //! Decode programs use CUDA-core dot products over exact NVFP4 block products (each selected
-//! expert's weights read once); prefill programs use the FP4 tensor cores (mma m16n8k64 with
-//! e4m3 block scales) on groups of 32 tokens.
+//! expert's weights read once); prefill programs use the tensor cores on groups of 32 tokens:
+//! FP4 mma m16n8k64 with e4m3 block scales on sm_120a, f16 mma m16n8k16 over the decoded
+//! (exact) values on sm_90a.
 
 use super::{float_flag, numel, of_grid, width, Cx, Instance, THREADS};
 use crate::kernels::{MoeDownArgs, MoeDownParams, MoeGateUpArgs, MoeGateUpParams, Ptr};
@@ -31,10 +32,12 @@ pub fn lanes(k: usize) -> u32 {
 /// Tokens per group of the tensor-core path (two m16 tiles).
 pub const MMA_GROUP: usize = 32;
 
-/// K chunk of the tensor-core path: the largest multiple of 64 dividing `k` up to 1024, so two
-/// parts of 32 quantised rows stay far inside the shared memory.
-pub fn mma_chunk(k: usize) -> usize {
-    (1..=16).rev().map(|c| c * 64).find(|&c| k % c == 0).unwrap_or(64)
+/// K chunk of the tensor-core path: the largest multiple of 64 dividing `k` up to 1024 on
+/// sm_120a (e2m1 codes, 0.6 B a value) or 256 on sm_90a (f16 values, 2 B), so two parts of 32
+/// quantised rows stay far inside the shared memory (at most 37 KiB or 32 KiB).
+pub fn mma_chunk(arch: u32, k: usize) -> usize {
+    let most = if arch == 90 { 4 } else { 16 };
+    (1..=most).rev().map(|c| c * 64).find(|&c| k % c == 0).unwrap_or(64)
 }
 
 /// Bytes of the u16 token list at the front of both kernels' dynamic shared memory.
@@ -68,9 +71,6 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     else {
         return Err("not a MoE step".into());
     };
-    if cx.arch != 120 {
-        return Err("the NVFP4 MoE kernels need sm_120a (cvt e2m1x2)".into());
-    }
     let (
         &LinearWeights::Nvfp4 { weight: gw, scale: gs, scale_2: g2, input_scale: gi },
         &LinearWeights::Nvfp4 { weight: dw, scale: ds, scale_2: d2, input_scale: di },
@@ -108,7 +108,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     // tokens, K in chunks of KC, both parts' codes (rows padded by 16 B) and scale bytes in shared
     // memory. Decode: G rows of K values per part as codes (K/2 B) and f32 scales (K/4 B).
     let mma = tokens > MOE_DECODE_TOKENS && h % 64 == 0;
-    let kc = mma_chunk(h);
+    let kc = mma_chunk(cx.arch, h);
     let g1 = if mma { MMA_GROUP } else { group_size(tokens, h * 3 / 2, cx.smem_limit)? };
     let gu = MoeGateUpParams {
         arch: cx.arch,
@@ -138,7 +138,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     };
     // Down: G rows of K = intermediate values (tensor cores for prefill, as gate/up).
     let mma_dn = tokens > MOE_DECODE_TOKENS && inter % 64 == 0;
-    let kc_dn = mma_chunk(inter);
+    let kc_dn = mma_chunk(cx.arch, inter);
     let g2n = if mma_dn { MMA_GROUP } else { group_size(tokens, inter * 3 / 4, cx.smem_limit)? };
     let dn = MoeDownParams {
         arch: cx.arch,
