@@ -53,6 +53,14 @@ run() {
   if [ "$limit" -le 5 ]; then return 124; fi
   timeout "$limit" "$@" >> "$out/$stage.log" 2>&1
 }
+# run_to STAGE SECONDS FILE CMD... : as run, stdout into FILE
+run_to() {
+  local stage=$1 limit=$2 file=$3; shift 3
+  local left; left=$(time_left)
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -le 5 ]; then return 124; fi
+  timeout "$limit" "$@" > "$file" 2>> "$out/$stage.log"
+}
 
 # ---- the binary -----------------------------------------------------------------------------
 kiln=${KILN_BIN:-}
@@ -90,13 +98,19 @@ record doctor ok "{\"arch\":\"$arch\",\"gpus\":$gpus,\"name\":\"$gpu_name\"}"
 
 # ---- models ---------------------------------------------------------------------------------
 # The demo model, and the oracle's golden checkpoints (other shapes: groups, flat quant config).
+# On the driver double every kernel runs in the PTX emulator: the `micro` model and small
+# buckets keep the rehearsal to a few minutes.
+double=0
+case "$gpu_name" in *driver_double*) double=1 ;; esac
+preset=tiny; chunk=64; batches=1,2,4,8,16; context=512
+[ "$double" = 1 ] && { preset=micro; chunk=32; batches=1,2,4; context=128; }
 tp=1
-[ "$gpus" -ge 2 ] && [ "$quick" = 0 ] && tp=2
+[ "$gpus" -ge 2 ] && { [ "$quick" = 0 ] || [ "$double" = 1 ]; } && tp=2
 compile() { # NAME CKPT TP
-  run compile 120 "$kiln" compile "$2" --target "$arch" --tp "$3" --decode-batches 1,2,4,8,16 \
-    --prefill-chunk 64 --max-context 512 -o "$work/$1"
+  run compile 120 "$kiln" compile "$2" --target "$arch" --tp "$3" --decode-batches "$batches" \
+    --prefill-chunk "$chunk" --max-context "$context" -o "$work/$1"
 }
-run synth 60 "$kiln" synth tiny -o "$work/tiny-ckpt" || record synth fail
+run synth 60 "$kiln" synth "$preset" -o "$work/tiny-ckpt" || record synth fail
 models=(demo)
 compile demo "$work/tiny-ckpt" "$tp" || record compile-demo fail
 if [ "$quick" = 0 ]; then
@@ -118,7 +132,7 @@ done
 
 # ---- logits: cuda against cpu on the same artifact ---------------------------------------------
 ids=$(seq -s, 1 7 90 | sed 's/,$//')
-[ "$quick" = 1 ] && ids=1,8,15,22,29,36
+[ "$quick" = 1 ] || [ "$double" = 1 ] && ids=1,8,15,22,29,36,43,50
 for m in "${models[@]}"; do
   for mode in prefill decode; do
     flag=(); [ "$mode" = decode ] && flag=(--decode)
@@ -127,8 +141,10 @@ for m in "${models[@]}"; do
       fig=$("$python" scripts/compare_logits.py "$work/$m-$mode-cuda.st" "$work/$m-$mode-cpu.st" | "$python" -c '
 import json, sys; d = json.load(sys.stdin); d.pop("rel_l2"); print(json.dumps(d))')
       # The CPU backend is the reference: same BF16 storage and NVFP4 quantisation, so the median
-      # row agrees to ~1e-7; a wrong layout or a broken collective is of order 1.
-      ok=$("$python" -c 'import json,sys; d=json.loads(sys.argv[1]); print("ok" if d["median_rel_l2"] <= 1e-5 else "fail")' "$fig")
+      # row agrees to ~1e-7 and a wrong layout or a broken collective is of order 1 everywhere.
+      # These random W4A4 models are chaotic (one BF16 ulp can flip an E2M1 rounding, and later
+      # layers amplify it), so single rows may be percents apart: every row within 50 %.
+      ok=$("$python" -c 'import json,sys; d=json.loads(sys.argv[1]); print("ok" if d["median_rel_l2"] <= 1e-5 and d["max_rel_l2"] <= 0.5 else "fail")' "$fig")
       record "logits-$m-$mode" "$ok" "$fig"
     else
       record "logits-$m-$mode" fail
@@ -150,11 +166,11 @@ for _ in $(seq 1 240); do
 done
 if [ "$healthy" = 1 ]; then
   record serve ok
-  if [ "$quick" = 1 ]; then levels=(1 4); n=4; in_len=16; out_len=4; else levels=(1 16 64); n=64; in_len=128; out_len=64; fi
+  if [ "$quick" = 1 ] || [ "$double" = 1 ]; then levels=(1 4); n=4; in_len=8; out_len=2; else levels=(1 16 64); n=64; in_len=128; out_len=64; fi
   for c in "${levels[@]}"; do
-    if run bench 150 "$kiln" bench --port "$port" --num-prompts "$n" --max-concurrency "$c" \
-         --random-input-len "$in_len" --random-output-len "$out_len" --json > "$out/bench-c$c.json" 2>> "$out/bench.log"; then
-      record "bench-c$c" ok "$(cat "$out/bench-c$c.json")"
+    if run_to bench 150 "$out/bench-c$c.json" "$kiln" bench --port "$port" --num-prompts "$n" --max-concurrency "$c" \
+         --random-input-len "$in_len" --random-output-len "$out_len" --json; then
+      record "bench-c$c" ok "$("$python" -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))' "$out/bench-c$c.json")"
     else
       record "bench-c$c" fail
     fi
@@ -176,7 +192,7 @@ EOF
 record startup ok "$startup"
 
 # ---- decode speed: cuda and cpu in the same run ---------------------------------------------------
-tokens=$(( quick ? 8 : 128 ))
+tokens=$(( quick || double ? 4 : 128 ))
 for b in cuda cpu; do
   if run "decode-$b" 120 "$kiln" run "$work/demo" --backend "$b" --prompt "The quick brown fox" --max-tokens "$tokens"; then
     tps=$(grep -Eo '[0-9.]+ tok(ens)?/s' "$out/decode-$b.log" | tail -1 | grep -Eo '^[0-9.]+')

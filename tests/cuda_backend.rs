@@ -328,3 +328,45 @@ fn serve_on_cuda_answers_the_openai_client() {
     let report = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "openai client tests failed on --backend cuda:\n{report}\n{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// The GPU check script, rehearsed on the double as CI does (it adapts to the emulator's speed:
+/// the `micro` model, small buckets), leaves its report in $OUT; without a GPU it refuses.
+#[test]
+fn gpu_check_quick_passes_on_the_double_and_refuses_without_a_gpu() {
+    let out = scratch("gpu-check");
+    let o = Command::new("bash")
+        .arg(root().join("scripts/with-cuda-double.sh"))
+        .arg("bash")
+        .arg(root().join("scripts/gpu-check.sh"))
+        .arg("--quick")
+        .env("KILN_BIN", env!("CARGO_BIN_EXE_kiln"))
+        .env("KILN_CUDA_DOUBLE_NO_BUILD", "1")
+        .env("KILN_CUDA_DOUBLE_FORCE", "1")
+        .env("CARGO_TARGET_DIR", double_dir().parent().unwrap())
+        .env("OUT", &out)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "gpu-check failed:\n{stdout}\n{}", String::from_utf8_lossy(&o.stderr));
+    assert!(stdout.trim_end().lines().last().unwrap_or("").starts_with("gpu-check: PASS"), "{stdout}");
+    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["passed"], true);
+    let stages: Vec<&str> = summary["stages"].as_array().unwrap().iter().map(|s| s["stage"].as_str().unwrap()).collect();
+    for want in ["doctor", "verify-demo", "logits-demo-prefill", "logits-demo-decode", "bench-c1", "bench-c4", "startup", "decode-cuda", "decode-cpu"] {
+        assert!(stages.contains(&want), "stage {want} missing from {stages:?}");
+    }
+    let prefill = summary["stages"].as_array().unwrap().iter().find(|s| s["stage"] == "logits-demo-prefill").unwrap();
+    assert!(prefill["figures"]["median_rel_l2"].as_f64().unwrap() <= 1e-5);
+
+    let Some(_) = driverless() else { return };
+    let o = Command::new("bash")
+        .arg(root().join("scripts/gpu-check.sh"))
+        .arg("--quick")
+        .env("KILN_BIN", env!("CARGO_BIN_EXE_kiln"))
+        .env("LD_LIBRARY_PATH", scratch("gpu-check-nodriver"))
+        .env("OUT", scratch("gpu-check-none"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no usable GPU"), "{}", String::from_utf8_lossy(&o.stderr));
+}
