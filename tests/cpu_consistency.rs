@@ -221,8 +221,8 @@ fn bad_inputs_fail_with_the_culprit_named() {
     let many = prompt(40, 0).iter().map(u32::to_string).collect::<Vec<_>>().join(",");
     fails(&["logits", s(&short), "--ids", &many, "--out", s(&out)], &["40 tokens", "at most 32"]);
     fails(&["logits", s(&short), "--ids", &many, "--out", s(&out), "--decode"], &["40 tokens", "at most 32"]);
-    // A backend this build does not have.
-    fails(&logits(&["--ids", "1", "--backend", "cuda"]), &["--backend", "cuda"]);
+    // A GPU backend for a CPU plan (refused before any driver is looked for).
+    fails(&logits(&["--ids", "1", "--backend", "cuda"]), &["compiled for cpu", "GPU target"]);
     // Weights: a missing directory, foreign weights, an edited header.
     let missing = t.root.join("no-such-ckpt");
     fails(&logits(&["--ids", "1", "--weights", s(&missing)]), &["no-such-ckpt"]);

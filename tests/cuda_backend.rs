@@ -330,34 +330,13 @@ fn serve_on_cuda_answers_the_openai_client() {
 }
 
 /// The GPU check script, rehearsed on the double as CI does (it adapts to the emulator's speed:
-/// the `micro` model, small buckets), leaves its report in $OUT; without a GPU it refuses.
+/// the `micro` model, small buckets), for both GPUs it may meet (an RTX PRO 6000 and the H200
+/// some tasks are lent), leaves its report in $OUT; without a GPU it refuses.
 #[test]
 fn gpu_check_quick_passes_on_the_double_and_refuses_without_a_gpu() {
-    let out = scratch("gpu-check");
-    let o = Command::new("bash")
-        .arg(root().join("scripts/with-cuda-double.sh"))
-        .arg("bash")
-        .arg(root().join("scripts/gpu-check.sh"))
-        .arg("--quick")
-        .env("KILN_BIN", env!("CARGO_BIN_EXE_kiln"))
-        .env("KILN_CUDA_DOUBLE_NO_BUILD", "1")
-        .env("KILN_CUDA_DOUBLE_FORCE", "1")
-        .env("CARGO_TARGET_DIR", double_dir().parent().unwrap())
-        .env("OUT", &out)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "gpu-check failed:\n{stdout}\n{}", String::from_utf8_lossy(&o.stderr));
-    assert!(stdout.trim_end().lines().last().unwrap_or("").starts_with("gpu-check: PASS"), "{stdout}");
-    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
-    assert_eq!(summary["passed"], true);
-    let stages: Vec<&str> = summary["stages"].as_array().unwrap().iter().map(|s| s["stage"].as_str().unwrap()).collect();
-    for want in ["doctor", "verify-demo", "logits-demo-prefill", "logits-demo-decode", "bench-c1", "bench-c4", "startup", "decode-cuda", "decode-cpu"] {
-        assert!(stages.contains(&want), "stage {want} missing from {stages:?}");
+    for arch in ["sm_120a", "sm_90a"] {
+        gpu_check_on_the_double(arch);
     }
-    let prefill = summary["stages"].as_array().unwrap().iter().find(|s| s["stage"] == "logits-demo-prefill").unwrap();
-    assert!(prefill["figures"]["median_rel_l2"].as_f64().unwrap() <= 1e-5);
-
     let Some(_) = driverless() else { return };
     let o = Command::new("bash")
         .arg(root().join("scripts/gpu-check.sh"))
@@ -369,4 +348,33 @@ fn gpu_check_quick_passes_on_the_double_and_refuses_without_a_gpu() {
         .unwrap();
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("no usable GPU"), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+fn gpu_check_on_the_double(arch: &str) {
+    let out = scratch(&format!("gpu-check-{arch}"));
+    let o = Command::new("bash")
+        .arg(root().join("scripts/with-cuda-double.sh"))
+        .arg("bash")
+        .arg(root().join("scripts/gpu-check.sh"))
+        .arg("--quick")
+        .env("KILN_BIN", env!("CARGO_BIN_EXE_kiln"))
+        .env("KILN_CUDA_DOUBLE_NO_BUILD", "1")
+        .env("KILN_CUDA_DOUBLE_FORCE", "1")
+        .env("CARGO_TARGET_DIR", double_dir().parent().unwrap())
+        .env("KILN_DOUBLE_ARCH", arch)
+        .env("OUT", &out)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "gpu-check on {arch} failed:\n{stdout}\n{}", String::from_utf8_lossy(&o.stderr));
+    assert!(stdout.trim_end().lines().last().unwrap_or("").starts_with("gpu-check: PASS"), "{stdout}");
+    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["passed"], true);
+    let stages: Vec<&str> = summary["stages"].as_array().unwrap().iter().map(|s| s["stage"].as_str().unwrap()).collect();
+    for want in ["doctor", "verify-demo", "logits-demo-prefill", "logits-demo-decode", "bench-c1", "bench-c4", "startup", "decode-cuda", "decode-cpu"] {
+        assert!(stages.contains(&want), "stage {want} missing from {stages:?}");
+    }
+    let prefill = summary["stages"].as_array().unwrap().iter().find(|s| s["stage"] == "logits-demo-prefill").unwrap();
+    assert!(prefill["figures"]["median_rel_l2"].as_f64().unwrap() <= 1e-5);
+    assert_eq!(summary["arch"], arch);
 }

@@ -275,17 +275,15 @@ impl Driver {
             }
         } else {
             let mut objects = self.objects();
-            if let Some(c) = objects.streams.get_mut(&stream).and_then(|s| s.capture.as_mut()) {
+            let Objects { streams, events, .. } = &mut *objects;
+            if let Some(c) = streams.get_mut(&stream).and_then(|s| s.capture.as_mut()) {
                 if c.invalidated {
                     return Err(STREAM_CAPTURE_INVALIDATED);
                 }
                 if let Op::Record { event } = op {
-                    if let Some(e) = objects.events.get_mut(&event) {
+                    if let Some(e) = events.get_mut(&event) {
                         e.captured = true;
                     }
-                    let c = objects.streams.get_mut(&stream).and_then(|s| s.capture.as_mut()).expect("capturing");
-                    c.ops.push(op);
-                    return Ok(());
                 }
                 c.ops.push(op);
                 return Ok(());

@@ -155,15 +155,38 @@ fn gib(b: u64) -> String {
 /// Why `plan` cannot run on `machine` (empty when it can): one line per mismatch, naming
 /// expected vs found.
 pub fn incompatibilities(plan: &Plan, machine: &Machine) -> Vec<String> {
+    let mut why = kernel_incompatibilities(plan, machine, plan.ranks());
+    let ranks = plan.ranks();
+    if required_cc(plan.target.arch).is_none() {
+        return why;
+    }
+    if machine.gpus.len() < ranks {
+        why.insert(0, format!("the plan needs {ranks} GPU(s) (tensor parallel {ranks}), the driver reports {}", machine.gpus.len()));
+    }
+    let need_memory = plan.memory.used();
+    for g in machine.gpus.iter().take(ranks) {
+        if g.memory < need_memory {
+            why.push(format!(
+                "GPU {} ({}) has {} of memory; the plan needs {} per GPU (weights, workspace, KV cache, RoPE table and {} headroom)",
+                g.ordinal,
+                g.name,
+                gib(g.memory),
+                gib(need_memory),
+                gib(plan.memory.headroom)
+            ));
+        }
+    }
+    why
+}
+
+/// Why the plan's kernels cannot run on the first `gpus` GPUs of `machine`: the target
+/// (a CPU plan has none), the driver version against the PTX ISA, the compute capability.
+pub fn kernel_incompatibilities(plan: &Plan, machine: &Machine, gpus: usize) -> Vec<String> {
     let mut why = Vec::new();
     let Some(cc) = required_cc(plan.target.arch) else {
         why.push(format!("the plan was compiled for {} (the CPU backend); compile for a GPU target (--target sm_120a or sm_90a) to run it on a GPU", plan.target.name));
         return why;
     };
-    let ranks = plan.ranks();
-    if machine.gpus.len() < ranks {
-        why.push(format!("the plan needs {ranks} GPU(s) (tensor parallel {ranks}), the driver reports {}", machine.gpus.len()));
-    }
     if let Some((major, minor)) = plan_ptx_version(plan) {
         let need = driver_for_ptx(major, minor);
         if machine.driver_version < need {
@@ -174,22 +197,11 @@ pub fn incompatibilities(plan: &Plan, machine: &Machine) -> Vec<String> {
             ));
         }
     }
-    let need_memory = plan.memory.used();
-    for g in machine.gpus.iter().take(ranks) {
+    for g in machine.gpus.iter().take(gpus) {
         if g.cc != cc {
             why.push(format!(
                 "GPU {} ({}) has compute capability {}.{}; the plan's {} kernels run only on {}.{}",
                 g.ordinal, g.name, g.cc.0, g.cc.1, plan.target.name, cc.0, cc.1
-            ));
-        }
-        if g.memory < need_memory {
-            why.push(format!(
-                "GPU {} ({}) has {} of memory; the plan needs {} per GPU (weights, workspace, KV cache, RoPE table and {} headroom)",
-                g.ordinal,
-                g.name,
-                gib(g.memory),
-                gib(need_memory),
-                gib(plan.memory.headroom)
             ));
         }
     }

@@ -118,7 +118,14 @@ fn worker(rank: usize, plan: Arc<Plan>, files: Arc<CheckpointFiles>, kernels: Op
 }
 
 fn human(b: u64) -> String {
-    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+    let f = b as f64;
+    if b >= 1 << 30 {
+        format!("{:.2} GiB", f / (1u64 << 30) as f64)
+    } else if b >= 1 << 20 {
+        format!("{:.2} MiB", f / (1u64 << 20) as f64)
+    } else {
+        format!("{:.1} KiB", f / 1024.0)
+    }
 }
 
 impl CudaBackend {
@@ -157,7 +164,14 @@ impl CudaBackend {
             let (plan, files, kernels, bar, reply_tx) = (plan.clone(), files.clone(), kernels.clone(), bar.clone(), reply_tx.clone());
             let thread = std::thread::Builder::new()
                 .name(format!("kiln-gpu{rank}"))
-                .spawn(move || worker(rank, plan, files, kernels, bar, rx, reply_tx))
+                .spawn(move || {
+                    // A panic must still answer, or the main thread would wait for this rank forever.
+                    let answer = reply_tx.clone();
+                    let run = std::panic::AssertUnwindSafe(|| worker(rank, plan, files, kernels, bar, rx, reply_tx));
+                    if std::panic::catch_unwind(run).is_err() {
+                        let _ = answer.send((rank, Reply::Failed("the GPU worker panicked (a kiln bug)".into())));
+                    }
+                })
                 .map_err(|e| RuntimeError::internal(format!("cannot start the worker of GPU {rank}: {e}")))?;
             workers.push(Worker { tx, thread: Some(thread) });
         }

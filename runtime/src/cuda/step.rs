@@ -26,10 +26,11 @@ impl StepRunner {
     /// Opens GPU 0 after checking it can run the plan's kernels.
     pub fn new(plan: &Plan, kernels_dir: Option<PathBuf>) -> Result<StepRunner, RuntimeError> {
         let machine = hardware::probe()?;
-        let why: Vec<String> = hardware::incompatibilities(plan, &machine).into_iter().filter(|w| !w.contains("GPU(s)") && !w.contains("of memory")).collect();
         if machine.gpus.is_empty() {
             return Err(gpu_error("the driver reports no GPU"));
         }
+        // Every rank's steps run on GPU 0, one buffer at a time: only its kernels must fit.
+        let why = hardware::kernel_incompatibilities(plan, &machine, 1);
         if !why.is_empty() {
             return Err(gpu_error(format!("GPU 0 cannot run the plan's kernels:\n  - {}", why.join("\n  - "))));
         }
