@@ -208,7 +208,9 @@ fn machines_that_do_not_fit_the_plan_are_refused_naming_expected_and_found() {
     let dir = scratch("mismatch");
     let art = dir.join("art");
     compile(&golden_ckpt(), 2, &["--prefill-chunk", "16", "--decode-batches", "1", "--max-context", "32", "--no-ptxas"], &art);
-    let cases: [(&[(&str, &str)], &[&str]); 4] = [
+    // (the simulated machine, what the refusal must say)
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str]);
+    let cases: [Case; 4] = [
         (&[("KILN_DOUBLE_ARCH", "sm_90a")], &["compute capability 9.0", "only on 12.0"]),
         (&[("KILN_DOUBLE_GPUS", "1")], &["needs 2 GPU(s)", "reports 1"]),
         (&[("KILN_DOUBLE_MEMORY", "2GiB")], &["2.00 GiB of memory", "the plan needs"]),

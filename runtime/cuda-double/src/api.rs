@@ -858,6 +858,9 @@ unsafe fn marshal(e: &kiln_emu::Entry, params: *mut Ptr, extra: *mut Ptr) -> Res
     Ok(space)
 }
 
+/// # Safety
+/// `params` must hold one readable pointer per kernel parameter (or be NULL with `extra`), as
+/// the driver requires; the double checks each before reading it.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn cuLaunchKernel(f: Ptr, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, smem: c_uint, stream: Ptr, params: *mut Ptr, extra: *mut Ptr) -> CuResult {

@@ -231,7 +231,7 @@ impl Driver {
     pub fn print_profile(&self) {
         let p = self.profile.lock().unwrap_or_else(|p| p.into_inner());
         let mut rows: Vec<_> = p.iter().collect();
-        rows.sort_by(|a, b| b.1 .1.cmp(&a.1 .1));
+        rows.sort_by_key(|r| std::cmp::Reverse(r.1 .1));
         let total: f64 = rows.iter().map(|r| r.1 .1.as_secs_f64()).sum();
         eprintln!("kiln-cuda-double: emulated kernel time {total:.2} s:");
         for (name, (n, t)) in rows.iter().take(15) {

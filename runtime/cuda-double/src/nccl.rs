@@ -203,7 +203,7 @@ fn reduce(inputs: &[Vec<u8>], dtype: u32, op: u32) -> Result<Vec<u8>, String> {
             let get = |b: &[u8], i: usize| f64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
             (0..n).flat_map(|i| inputs[1..].iter().fold(get(&inputs[0], i), |a, b| combine_f(a, get(b, i))).to_le_bytes()).collect()
         }
-        2 | 3 | 4 | 5 => {
+        2..=5 => {
             let w = dtype_bytes(dtype).expect("known");
             let signed = matches!(dtype, 2 | 4);
             let get = |b: &[u8], i: usize| -> i128 {
