@@ -9,6 +9,9 @@
 //! Without a driver, every CUDA command must fail with a message naming the missing driver and
 //! never panic; machines that do not fit a plan are refused before anything is allocated.
 
+mod common;
+
+use common::serve::{self as serve_child, http, openai_client_suite, Server};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
@@ -228,50 +231,10 @@ fn machines_that_do_not_fit_the_plan_are_refused_naming_expected_and_found() {
     }
 }
 
-struct Server {
-    child: std::process::Child,
-    port: u16,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else { return (0, String::new()) };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(300)));
-    let req = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
-    s.write_all(req.as_bytes()).unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    (status, out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
-}
-
 fn serve(art: &Path, env: &[(&str, &str)]) -> Server {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let child = kiln_cuda(env)
-        .arg("serve")
-        .arg(art)
-        .args(["--port", &port.to_string(), "--served-model-name", "kiln-tiny", "--backend", "cuda", "--enable-test-hooks"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start kiln serve");
-    let mut s = Server { child, port };
-    let t = Instant::now();
-    while http(port, "GET", "/health", "").0 != 200 {
-        if let Ok(Some(status)) = s.child.try_wait() {
-            panic!("kiln serve exited with {status} before becoming healthy");
-        }
-        assert!(t.elapsed() < Duration::from_secs(120), "server did not become healthy");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    s
+    let mut c = kiln_cuda(env);
+    c.arg("serve").arg(art).args(["--served-model-name", "kiln-tiny", "--backend", "cuda", "--enable-test-hooks"]);
+    serve_child::start(c, Duration::from_secs(120))
 }
 
 /// The `micro` synthetic model (the demo model's tokenizer and chat template at the smallest
@@ -299,7 +262,7 @@ fn a_gpu_fault_fails_the_request_marks_health_and_never_hangs() {
     let t = Instant::now();
     let (status, body) = http(server.port, "POST", "/v1/completions", r#"{"model": "kiln-tiny", "prompt": "Hello", "max_tokens": 4}"#);
     assert!(t.elapsed() < Duration::from_secs(120), "the failed request took {:?}", t.elapsed());
-    assert!(status >= 500 || body.contains("error"), "{status} {body}");
+    assert_eq!(status, 503, "{body}");
     assert!(body.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "the error names the fault: {body}");
     let (status, body) = http(server.port, "GET", "/health", "");
     assert_eq!(status, 503, "{body}");
@@ -313,22 +276,9 @@ fn a_gpu_fault_fails_the_request_marks_health_and_never_hangs() {
 
 #[test]
 fn serve_on_cuda_answers_the_openai_client() {
-    let python = std::env::var("KILN_PYTHON").unwrap_or_else(|_| "python3".into());
-    if !Command::new(&python).args(["-c", "import openai"]).status().map(|s| s.success()).unwrap_or(false) {
-        assert!(std::env::var("CI").is_err(), "CI must provide the openai client ({python})");
-        eprintln!("SKIPPED: `{python} -c 'import openai'` failed (set KILN_PYTHON)");
-        return;
-    }
     let art = micro_artifact("openai", "1,2,4,8,16,32", &[]);
     let server = serve(&art, &[]);
-    let out = Command::new(&python)
-        .arg(root().join("tests/server/test_openai_client.py"))
-        .env("KILN_BASE_URL", format!("http://127.0.0.1:{}", server.port))
-        .env("KILN_MODEL", "kiln-tiny")
-        .output()
-        .unwrap();
-    let report = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "openai client tests failed on --backend cuda:\n{report}\n{}", String::from_utf8_lossy(&out.stderr));
+    openai_client_suite(server.port, "--backend cuda on the driver double");
 }
 
 /// The GPU check script, rehearsed on the double as CI does (it adapts to the emulator's speed:

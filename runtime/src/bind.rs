@@ -161,16 +161,7 @@ pub fn bind(plan: &Plan, weights_dir: &Path, progress: bool) -> Result<Vec<Arena
     let files = CheckpointFiles::open(weights_dir)?;
     files.check(plan)?;
     let ranks = plan.ranks();
-    let total: u64 = plan.weights.iter().map(|s| s.bytes).sum::<u64>() * ranks as u64;
-    let bar = if progress {
-        let bar = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
-        if let Ok(style) = indicatif::ProgressStyle::with_template("binding weights {bar:40} {bytes}/{total_bytes} {msg}") {
-            bar.set_style(style);
-        }
-        bar
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
+    let bar = weights_progress(plan, progress, "binding weights {bar:40} {bytes}/{total_bytes} {msg}");
     let arena_bytes = plan.memory.weights;
     check_host_memory(arena_bytes.saturating_mul(ranks as u64), ranks)?;
     let mut arenas = Vec::with_capacity(ranks);
@@ -188,6 +179,20 @@ pub fn bind(plan: &Plan, weights_dir: &Path, progress: bool) -> Result<Vec<Arena
     }
     bar.finish_and_clear();
     Ok(arenas)
+}
+
+/// A progress bar over every rank's weight bytes, drawn on stderr with `template` when `shown`
+/// (hidden otherwise).
+pub fn weights_progress(plan: &Plan, shown: bool, template: &str) -> indicatif::ProgressBar {
+    if !shown {
+        return indicatif::ProgressBar::hidden();
+    }
+    let total: u64 = plan.weights.iter().map(|s| s.bytes).sum::<u64>() * plan.ranks() as u64;
+    let bar = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
+    if let Ok(style) = indicatif::ProgressStyle::with_template(template) {
+        bar.set_style(style);
+    }
+    bar
 }
 
 /// The CPU backend keeps every rank's weights in host memory: refuse up front, naming the

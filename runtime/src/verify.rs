@@ -13,7 +13,7 @@
 
 use crate::emu::{self, GlobalMemory, KernelArg, Module};
 use crate::numerics::{bytes_floats, float_bytes};
-use crate::plan::{BufId, DType, Launch, LaunchArg, Op, Plan, Program};
+use crate::plan::{BufId, DType, Launch, LaunchArg, Op, Plan, Program, WeightId};
 
 
 /// The values of one buffer (float buffers as f32, I32 buffers as i32).
@@ -65,7 +65,7 @@ impl Comparison {
     }
 }
 
-pub(crate) fn encode(dtype: DType, v: &Values) -> Result<Vec<u8>, String> {
+fn encode(dtype: DType, v: &Values) -> Result<Vec<u8>, String> {
     Ok(match (dtype, v) {
         (DType::BF16 | DType::F32, Values::F32(x)) => float_bytes(x, dtype == DType::BF16),
         (DType::I32, Values::I32(x)) => x.iter().flat_map(|i| i.to_le_bytes()).collect(),
@@ -94,87 +94,132 @@ pub struct StepInputs<'a> {
     pub rope_table: &'a [u8],
 }
 
+/// A launch argument once the data it points to is in place.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ArgValue {
+    Addr(u64),
+    U32(u32),
+    F32(f32),
+}
+
+/// The memory one step's launches address, each buffer, weight slot, cache layer and the RoPE
+/// table in a region of its own, uploaded on first use (so an access past a region's end
+/// faults instead of reading its neighbour). `H` is the backend's handle of a region; each
+/// entry keeps it with the region's address.
+pub struct StepRegions<H> {
+    pub bufs: Vec<(BufId, H, u64)>,
+    pub weights: Vec<(WeightId, H, u64)>,
+    pub layers: Vec<(u32, H, u64)>,
+    pub rope: Option<(H, u64)>,
+    /// Bytes the step must read at least: every distinct weight slot and input buffer once.
+    pub compulsory: u64,
+}
+
+impl<H> Default for StepRegions<H> {
+    fn default() -> Self {
+        StepRegions { bufs: Vec::new(), weights: Vec::new(), layers: Vec::new(), rope: None, compulsory: 0 }
+    }
+}
+
+impl<H> StepRegions<H> {
+    /// The values of `launch`'s arguments on one rank's state `st`, uploading each region not
+    /// there yet with `upload(name, bytes) -> (handle, address)`. `reads` are the step's inputs.
+    pub fn args(
+        &mut self,
+        plan: &Plan,
+        program: &Program,
+        launch: &Launch,
+        reads: &[BufId],
+        st: &StepInputs,
+        upload: &mut dyn FnMut(&str, &[u8]) -> Result<(H, u64), String>,
+    ) -> Result<Vec<ArgValue>, String> {
+        let mut out = Vec::with_capacity(launch.args.len());
+        for a in &launch.args {
+            out.push(match *a {
+                LaunchArg::Buffer(b) => ArgValue::Addr(match self.bufs.iter().find(|(x, _, _)| *x == b) {
+                    Some(&(_, _, addr)) => addr,
+                    None => {
+                        let buf = program.buffer(b);
+                        let bytes = encode(buf.dtype, &(st.value)(b))?;
+                        if reads.contains(&b) {
+                            self.compulsory += bytes.len() as u64;
+                        }
+                        let (h, addr) = upload(&buf.name, &bytes)?;
+                        self.bufs.push((b, h, addr));
+                        addr
+                    }
+                }),
+                LaunchArg::Weight(w) => ArgValue::Addr(match self.weights.iter().find(|(x, _, _)| *x == w) {
+                    Some(&(_, _, addr)) => addr,
+                    None => {
+                        let s = plan.weight(w);
+                        let bytes = st.arena.get(s.offset as usize..(s.offset + s.bytes) as usize).ok_or_else(|| format!("slot `{}` lies outside the arena", s.name))?;
+                        self.compulsory += bytes.len() as u64;
+                        let (h, addr) = upload(&s.name, bytes)?;
+                        self.weights.push((w, h, addr));
+                        addr
+                    }
+                }),
+                LaunchArg::KvCache { layer } => ArgValue::Addr(match self.layers.iter().find(|(x, _, _)| *x == layer) {
+                    Some(&(_, _, addr)) => addr,
+                    None => {
+                        let (h, addr) = upload(&format!("kv_cache.layer{layer}"), &(st.kv_layer)(layer))?;
+                        self.layers.push((layer, h, addr));
+                        addr
+                    }
+                }),
+                LaunchArg::RopeTable => ArgValue::Addr(match &self.rope {
+                    Some((_, addr)) => *addr,
+                    None => {
+                        let (h, addr) = upload("rope_table", st.rope_table)?;
+                        self.rope = Some((h, addr));
+                        addr
+                    }
+                }),
+                LaunchArg::U32(v) => ArgValue::U32(v),
+                LaunchArg::F32(v) => ArgValue::F32(v),
+                LaunchArg::PerRank(v) => ArgValue::U32(LaunchArg::per_rank(v, st.rank).ok_or_else(|| format!("rank {} x {v} overflows a u32 argument", st.rank))?),
+            });
+        }
+        Ok(out)
+    }
+
+    /// The region of written buffer `b`.
+    pub fn written(&self, program: &Program, b: BufId) -> Result<&H, String> {
+        self.bufs.iter().find(|(x, _, _)| *x == b).map(|(_, h, _)| h).ok_or_else(|| format!("the launches do not pass written buffer {}", program.buffer(b).name))
+    }
+}
+
 /// Runs a step's `launches` (of `program`, `modules[i]` holding launch i's kernel) in order in
 /// the emulator on one rank's state. `reads` are the step's inputs (they count as compulsory
 /// traffic), `writes` the buffers to read back afterwards.
 pub fn emulate(plan: &Plan, program: &Program, launches: &[Launch], modules: &[&Module], reads: &[BufId], writes: &[BufId], st: &StepInputs) -> Result<Emulated, String> {
     let mut g = GlobalMemory::new();
-    let mut bufs: Vec<(BufId, emu::BufferId)> = Vec::new();
-    let mut weights: Vec<(crate::plan::WeightId, emu::BufferId)> = Vec::new();
-    let mut layers: Vec<(u32, emu::BufferId)> = Vec::new();
-    let mut rope: Option<emu::BufferId> = None;
-    let mut compulsory = 0u64;
+    let mut regions = StepRegions::<emu::BufferId>::default();
     let (mut bytes_read, mut bytes_written) = (0u64, 0u64);
     for (launch, module) in launches.iter().zip(modules) {
         let kernel = plan.kernel(launch.kernel);
-        let mut args = Vec::new();
-        for a in &launch.args {
-            args.push(match *a {
-                LaunchArg::Buffer(b) => {
-                    let id = match bufs.iter().find(|(x, _)| *x == b) {
-                        Some(&(_, id)) => id,
-                        None => {
-                            let buf = program.buffer(b);
-                            let bytes = encode(buf.dtype, &(st.value)(b))?;
-                            if reads.contains(&b) {
-                                compulsory += bytes.len() as u64;
-                            }
-                            let id = g.alloc_bytes(&buf.name, &bytes);
-                            bufs.push((b, id));
-                            id
-                        }
-                    };
-                    KernelArg::U64(g.addr(id))
-                }
-                LaunchArg::Weight(w) => {
-                    let id = match weights.iter().find(|(x, _)| *x == w) {
-                        Some(&(_, id)) => id,
-                        None => {
-                            let s = plan.weight(w);
-                            let bytes = st.arena.get(s.offset as usize..(s.offset + s.bytes) as usize).ok_or_else(|| format!("slot `{}` lies outside the arena", s.name))?;
-                            compulsory += bytes.len() as u64;
-                            let id = g.alloc_bytes(&s.name, bytes);
-                            weights.push((w, id));
-                            id
-                        }
-                    };
-                    KernelArg::U64(g.addr(id))
-                }
-                LaunchArg::KvCache { layer } => {
-                    let id = match layers.iter().find(|(x, _)| *x == layer) {
-                        Some(&(_, id)) => id,
-                        None => {
-                            let id = g.alloc_bytes(&format!("kv_cache.layer{layer}"), &(st.kv_layer)(layer));
-                            layers.push((layer, id));
-                            id
-                        }
-                    };
-                    KernelArg::U64(g.addr(id))
-                }
-                LaunchArg::RopeTable => {
-                    let id = *rope.get_or_insert_with(|| g.alloc_bytes("rope_table", st.rope_table));
-                    KernelArg::U64(g.addr(id))
-                }
-                LaunchArg::U32(v) => KernelArg::U32(v),
-                LaunchArg::F32(v) => KernelArg::F32(v),
-                LaunchArg::PerRank(v) => KernelArg::U32(LaunchArg::per_rank(v, st.rank).ok_or_else(|| format!("rank {} x {v} overflows a u32 argument", st.rank))?),
-            });
-        }
-        let stats = emu::launch(module, &kernel.entry, launch.grid, launch.block, launch.smem_dynamic, &args, &mut g).map_err(|e| format!("{}: {e}", kernel.name))?;
+        let values = regions.args(plan, program, launch, reads, st, &mut |name, bytes| {
+            let id = g.alloc_bytes(name, bytes);
+            Ok((id, g.addr(id)))
+        })?;
+        let args: Vec<KernelArg> = values
+            .into_iter()
+            .map(|v| match v {
+                ArgValue::Addr(a) => KernelArg::U64(a),
+                ArgValue::U32(x) => KernelArg::U32(x),
+                ArgValue::F32(x) => KernelArg::F32(x),
+            })
+            .collect();
+        let stats = emu::launch(module, &kernel.entry, launch.grid, launch.block, launch.smem_dynamic, &args, &g).map_err(|e| format!("{}: {e}", kernel.name))?;
         bytes_read += stats.global_bytes_read();
         bytes_written += stats.global_bytes_written();
     }
-    let outputs = writes
-        .iter()
-        .map(|&b| {
-            let id = bufs.iter().find(|(x, _)| *x == b).map(|&(_, id)| id).ok_or_else(|| format!("the launches do not pass written buffer {}", program.buffer(b).name))?;
-            Ok((b, decode(program.buffer(b).dtype, &g.read(id))))
-        })
-        .collect::<Result<Vec<_>, String>>()?;
-    let kv = layers.iter().map(|&(l, id)| (l, g.read(id))).collect();
-    let weight_read = weights.iter().map(|&(_, id)| g.bytes_loaded(id)).sum();
-    let weight_bytes = weights.iter().map(|&(_, id)| g.len(id) as u64).sum();
-    Ok(Emulated { outputs, kv, bytes_read, bytes_written, compulsory_read: compulsory, weight_read, weight_bytes })
+    let outputs = writes.iter().map(|&b| Ok((b, decode(program.buffer(b).dtype, &g.read(*regions.written(program, b)?))))).collect::<Result<Vec<_>, String>>()?;
+    let kv = regions.layers.iter().map(|&(l, id, _)| (l, g.read(id))).collect();
+    let weight_read = regions.weights.iter().map(|&(_, id, _)| g.bytes_loaded(id)).sum();
+    let weight_bytes = regions.weights.iter().map(|&(_, id, _)| g.len(id) as u64).sum();
+    Ok(Emulated { outputs, kv, bytes_read, bytes_written, compulsory_read: regions.compulsory, weight_read, weight_bytes })
 }
 
 /// How many times `op` rounds a value to BF16 on its way to an output (each rounding may put

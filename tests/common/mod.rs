@@ -3,6 +3,8 @@
 //! (`.target sm_120a` or `sm_90a`).
 #![allow(dead_code, unused_imports)]
 
+pub mod serve;
+
 use kiln_compiler::passes::assemble::{find_ptxas, parse_ptxas_log};
 use kiln_runtime::numerics::round_bf16;
 use kiln_runtime::plan::{DType, PtxArch, Resources};

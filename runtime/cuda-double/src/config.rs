@@ -72,36 +72,31 @@ fn int<T: std::str::FromStr>(name: &str, text: &str) -> Result<T, String> {
 impl Config {
     pub fn from_env() -> Result<Config, String> {
         let arch = var("KILN_DOUBLE_ARCH").unwrap_or_else(|| "sm_120a".into());
+        let rtx_pro_6000 = Config {
+            gpus: 8,
+            name: "NVIDIA RTX PRO 6000 Blackwell Workstation Edition (kiln driver double)".into(),
+            cc: (12, 0),
+            sms: 188,
+            memory: 97_887 * MIB,
+            smem_optin: 101_376,
+            l2_bytes: 128 << 20,
+            context_memory: 512 * MIB,
+            driver_version: 12090,
+            p2p: P2p::Ok,
+            nccl_timeout: Duration::from_secs(120),
+            fault_at_launch: None,
+            profile: false,
+        };
         let mut c = match arch.as_str() {
-            "sm_120a" => Config {
-                gpus: 8,
-                name: "NVIDIA RTX PRO 6000 Blackwell Workstation Edition (kiln driver double)".into(),
-                cc: (12, 0),
-                sms: 188,
-                memory: 97_887 * MIB,
-                smem_optin: 101_376,
-                l2_bytes: 128 << 20,
-                context_memory: 512 * MIB,
-                driver_version: 12090,
-                p2p: P2p::Ok,
-                nccl_timeout: Duration::from_secs(120),
-                fault_at_launch: None,
-                profile: false,
-            },
+            "sm_120a" => rtx_pro_6000,
             "sm_90a" => Config {
-                gpus: 8,
                 name: "NVIDIA H200 (kiln driver double)".into(),
                 cc: (9, 0),
                 sms: 132,
                 memory: 143_771 * MIB,
                 smem_optin: 232_448,
                 l2_bytes: 60 << 20,
-                context_memory: 512 * MIB,
-                driver_version: 12090,
-                p2p: P2p::Ok,
-                nccl_timeout: Duration::from_secs(120),
-                fault_at_launch: None,
-                profile: false,
+                ..rtx_pro_6000
             },
             other => return Err(format!("KILN_DOUBLE_ARCH={other}: expected sm_120a or sm_90a")),
         };

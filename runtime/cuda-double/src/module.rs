@@ -6,6 +6,7 @@
 
 use crate::config::Config;
 use crate::status::*;
+use kiln_emu::versions::{driver_for_ptx, ptx_version};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::AtomicI32;
@@ -34,27 +35,9 @@ fn complain(code: CuResult, message: String) -> CuResult {
     code
 }
 
-/// The driver version (`cuDriverGetVersion`) a PTX ISA version needs.
-fn driver_for_ptx(major: u32, minor: u32) -> i32 {
-    match (major, minor) {
-        (..=7, _) => 11000,
-        (8, 0..=5) => 12000 + 10 * minor as i32,
-        (8, 6) => 12070,
-        (8, 7) => 12080,
-        (8, 8) => 12090,
-        (9, 0) => 13000,
-        (9, m) => 13000 + 10 * m as i32,
-        _ => i32::MAX,
-    }
-}
-
 /// Loads PTX text for the device (`source` names it in messages).
 pub fn load_ptx(cfg: &Config, device: usize, text: &str, source: &str) -> Result<LoadedModule, CuResult> {
-    let version = text.lines().find_map(|l| l.trim().strip_prefix(".version")).map(str::trim);
-    let (major, minor) = version
-        .and_then(|v| v.split_once('.'))
-        .and_then(|(a, b)| Some((a.trim().parse::<u32>().ok()?, b.trim().parse::<u32>().ok()?)))
-        .ok_or_else(|| complain(INVALID_PTX, format!("{source}: no `.version` directive")))?;
+    let (major, minor) = ptx_version(text).ok_or_else(|| complain(INVALID_PTX, format!("{source}: no `.version` directive")))?;
     let need = driver_for_ptx(major, minor);
     if need > cfg.driver_version {
         return Err(complain(

@@ -66,6 +66,7 @@ mod mma;
 mod parser;
 mod regs;
 mod special;
+pub mod versions;
 mod warp;
 
 pub use convert::{f16_to_f32, f32_to_f16};

@@ -7,6 +7,7 @@
 use crate::error::RuntimeError;
 use crate::plan::{Arch, Plan};
 use cudarc::driver::{result, sys};
+use kiln_emu::versions::{driver_for_ptx, ptx_version};
 
 /// One GPU as the driver reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -119,29 +120,9 @@ pub fn required_cc(arch: Arch) -> Option<(i32, i32)> {
     }
 }
 
-/// The driver version (CUDA x.y as x*1000 + y*10) that can load PTX of ISA `major.minor`.
-pub fn driver_for_ptx(major: u32, minor: u32) -> i32 {
-    match (major, minor) {
-        (..=7, _) => 11000,
-        (8, 0..=5) => 12000 + 10 * minor as i32,
-        (8, 6) => 12070,
-        (8, 7) => 12080,
-        (8, 8) => 12090,
-        (9, m) => 13000 + 10 * m as i32,
-        _ => i32::MAX,
-    }
-}
-
 /// The newest PTX ISA version among the plan's kernels.
 pub fn plan_ptx_version(plan: &Plan) -> Option<(u32, u32)> {
-    plan.kernels
-        .iter()
-        .filter_map(|k| {
-            let v = k.ptx.lines().find_map(|l| l.trim().strip_prefix(".version"))?.trim();
-            let (a, b) = v.split_once('.')?;
-            Some((a.parse().ok()?, b.parse().ok()?))
-        })
-        .max()
+    plan.kernels.iter().filter_map(|k| ptx_version(&k.ptx)).max()
 }
 
 fn cuda_version(v: i32) -> String {

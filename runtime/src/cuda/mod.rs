@@ -21,7 +21,7 @@ mod rank;
 mod resources;
 pub mod step;
 
-use crate::bind::CheckpointFiles;
+use crate::bind::{weights_progress, CheckpointFiles};
 use crate::cpu::Inputs;
 use crate::error::RuntimeError;
 use crate::numerics::bytes_floats;
@@ -146,16 +146,7 @@ impl CudaBackend {
         let plan = Arc::new(plan);
         let files = Arc::new(files);
         let ranks = plan.ranks();
-        let total: u64 = plan.weights.iter().map(|s| s.bytes).sum::<u64>() * ranks as u64;
-        let bar = if progress {
-            let bar = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
-            if let Ok(style) = indicatif::ProgressStyle::with_template("uploading weights {bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} {msg}") {
-                bar.set_style(style);
-            }
-            bar
-        } else {
-            indicatif::ProgressBar::hidden()
-        };
+        let bar = weights_progress(&plan, progress, "uploading weights {bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} {msg}");
         let kernels = artifact.map(|a| a.join("kernels"));
         let (reply_tx, replies) = channel();
         let mut workers = Vec::with_capacity(ranks);

@@ -142,15 +142,14 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(dst: Ptr, src: u64, n: usize, stre
 /// `src` must hold `n` readable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, n: usize) -> CuResult {
+    // The synchronous copy: the asynchronous one on the legacy stream, refused during capture.
     guard(|| {
         let drv = driver()?;
         drv.forbid_during_capture()?;
-        checked(drv, dst, n)?;
-        if src.is_null() {
-            return Err(INVALID_VALUE);
+        match cuMemcpyHtoDAsync_v2(dst, src, n, std::ptr::null_mut()) {
+            SUCCESS => drv.live().map(|_| ()),
+            e => Err(e),
         }
-        drv.submit(0, Op::HtoD { dst, src: src as usize, len: n })?;
-        drv.live().map(|_| ())
     })
 }
 
@@ -161,12 +160,10 @@ pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: Ptr, src: u64, n: usize) -> CuResu
     guard(|| {
         let drv = driver()?;
         drv.forbid_during_capture()?;
-        checked(drv, src, n)?;
-        if dst.is_null() {
-            return Err(INVALID_VALUE);
+        match cuMemcpyDtoHAsync_v2(dst, src, n, std::ptr::null_mut()) {
+            SUCCESS => drv.live().map(|_| ()),
+            e => Err(e),
         }
-        drv.submit(0, Op::DtoH { dst: dst as usize, src, len: n })?;
-        drv.live().map(|_| ())
     })
 }
 
