@@ -4,8 +4,8 @@
 //!
 //! Run: `cargo bench --bench cpu_decode` (add `-- --tokens N --tp T`).
 
-use kiln_runtime::engine::forward::{DecodeItem, Forward};
-use kiln_runtime::engine::sampling::argmax;
+use kiln_engine::forward::{DecodeItem, Forward};
+use kiln_engine::sampling::argmax;
 use kiln_runtime::session::{Runner, SessionOptions};
 use std::path::PathBuf;
 use std::time::Instant;

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::serve::{self, http, openai_client_suite, Server};
+use common::serve::{self, http, openai_client_script, openai_client_suite, Server};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -53,6 +53,46 @@ fn http_basics_and_the_openai_client() {
 
     // The official client (CI installs it; see .ci/run).
     openai_client_suite(port, "CPU backend");
+}
+
+/// logprobs, `n`, penalties, min_tokens/stop_token_ids, json_object/json_schema, forced
+/// tool_choice and the prefix cache, through the official client (tests/server/
+/// test_serving_features.py): on random weights, checked against formulas and schemas.
+#[test]
+fn the_fields_real_clients_send() {
+    let art = demo_artifact("fields");
+    let server = start(&art, &[]);
+    openai_client_script(server.port, "test_serving_features.py", "serving features");
+}
+
+/// A pool smaller than the demand: the server preempts and still answers every request in full.
+#[test]
+fn a_small_kv_pool_preempts_instead_of_refusing() {
+    let art = demo_artifact("pool");
+    let server = start(&art, &["--max-total-tokens", "1024", "--disable-prefix-cache"]);
+    let port = server.port;
+    let bodies: Vec<_> = (0..6)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let body = format!("{{\"prompt\": \"request {i}\", \"max_tokens\": 300, \"temperature\": 0, \"ignore_eos\": true}}");
+                http(port, "POST", "/v1/completions", &body)
+            })
+        })
+        .collect();
+    for b in bodies {
+        let (status, body) = b.join().unwrap();
+        assert_eq!(status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["usage"]["completion_tokens"], 300, "{body}");
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+    }
+    let (_, metrics) = http(port, "GET", "/metrics", "");
+    let value = |name: &str| -> f64 {
+        metrics.lines().find_map(|l| l.strip_prefix(name).and_then(|r| r.trim().parse().ok())).unwrap_or_else(|| panic!("{name} in {metrics}"))
+    };
+    assert!(value("kiln_preemptions_total ") > 0.0, "6 x ~310 tokens on a 1,024-token pool must preempt");
+    assert_eq!(value("kiln_kv_cache_pages_used "), 0.0);
+    assert_eq!(value("kiln_prefix_cache_hit_tokens_total "), 0.0, "the cache is off");
 }
 
 #[test]

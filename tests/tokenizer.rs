@@ -1,6 +1,6 @@
 //! The tiny model's byte-level tokenizer, GLM special tokens and streaming detokenisation.
 
-use kiln_runtime::engine::tokenizer::{StreamDecoder, Tokenizer};
+use kiln_engine::tokenizer::{StreamDecoder, Tokenizer};
 
 /// Synthesised once: the tests of this file run in parallel.
 fn tiny_tokenizer() -> Tokenizer {

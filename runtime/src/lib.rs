@@ -1,13 +1,14 @@
 //! kiln-runtime: what the runtime can execute.
 //!
 //! The runtime owns the plan schema (`plan`): the compiler produces it, the backends consume it.
-//! Data flows one way: checkpoint -> compiler -> artifact -> runtime -> engine -> server.
+//! It executes plans and nothing more: the serving engine (scheduler, pages, sampling, parsers)
+//! is the `kiln-engine` crate above it. Data flows one way: checkpoint -> compiler -> artifact ->
+//! runtime -> engine -> server.
 
 pub mod bind;
 pub mod cpu;
 pub mod cuda;
 pub mod emu_backend;
-pub mod engine;
 pub mod error;
 pub mod numerics;
 pub mod plan;

@@ -6,8 +6,6 @@ use crate::bind::bind;
 use crate::cpu::{CpuBackend, CpuOptions, Inputs};
 use crate::cuda::CudaBackend;
 use crate::emu_backend::EmuBackend;
-use crate::engine::forward::{DecodeItem, Forward};
-use crate::engine::pages::PageAllocator;
 use crate::error::RuntimeError;
 use crate::plan::{read_plan, Plan, ProgramKind};
 use std::path::{Path, PathBuf};
@@ -118,7 +116,7 @@ pub fn weights_dir(artifact: &Path, weights: Option<&Path>) -> Result<PathBuf, R
 }
 
 /// Runs prefill chunks and decode batches for sequences whose KV pages the caller owns: the
-/// layer the engine's scheduler drives (see [`Forward`]) and [`Session`] builds on.
+/// layer the serving engine's scheduler drives and [`Session`] builds on.
 pub struct Runner {
     backend: Backend,
     inputs: Inputs,
@@ -347,41 +345,11 @@ impl Runner {
     }
 }
 
-impl Forward for Runner {
-    fn vocab_size(&self) -> usize {
-        Runner::vocab_size(self)
-    }
-    fn page_size(&self) -> usize {
-        Runner::page_size(self)
-    }
-    fn total_pages(&self) -> usize {
-        Runner::total_pages(self)
-    }
-    fn max_context(&self) -> usize {
-        Runner::max_context(self)
-    }
-    fn max_decode_batch(&self) -> usize {
-        Runner::max_decode_batch(self)
-    }
-    fn max_prefill_chunk(&self) -> usize {
-        Runner::max_prefill_chunk(self)
-    }
-    fn failure(&self) -> Option<String> {
-        self.backend.failure().map(str::to_string)
-    }
-    fn prefill(&mut self, pages: &[u32], start: usize, tokens: &[u32]) -> Result<Vec<f32>, String> {
-        Runner::prefill(self, pages, start, tokens, LogitRows::Last).map(<[f32]>::to_vec).map_err(|e| e.to_string())
-    }
-    fn decode(&mut self, items: &[DecodeItem<'_>]) -> Result<Vec<f32>, String> {
-        let rows: Vec<DecodeRow> = items.iter().map(|i| DecodeRow { pages: i.pages, pos: i.pos, token: i.token }).collect();
-        Runner::decode(self, &rows).map(<[f32]>::to_vec).map_err(|e| e.to_string())
-    }
-}
-
 /// A [`Runner`] that also owns the KV pages: sequences are created, fed and released by id.
 pub struct Session {
     runner: Runner,
-    pages: PageAllocator,
+    /// Free KV pages (low ids handed out first).
+    free: Vec<u32>,
     seqs: Vec<Option<Sequence>>,
 }
 
@@ -396,8 +364,8 @@ impl Session {
     }
 
     pub fn new(runner: Runner) -> Session {
-        let pages = PageAllocator::new(runner.total_pages());
-        Session { runner, pages, seqs: Vec::new() }
+        let free = (0..runner.total_pages() as u32).rev().collect();
+        Session { runner, free, seqs: Vec::new() }
     }
 
     pub fn runner(&self) -> &Runner {
@@ -446,7 +414,7 @@ impl Session {
     /// Frees the sequence and its pages.
     pub fn release(&mut self, seq: SeqId) {
         if let Some(s) = self.seqs.get_mut(seq.0 as usize).and_then(Option::take) {
-            self.pages.release(s.pages);
+            self.free.extend(s.pages);
         }
     }
 
@@ -470,10 +438,11 @@ impl Session {
             ));
         }
         let need = len.div_ceil(self.runner.page_size()).saturating_sub(s.pages.len());
-        let available = self.pages.available();
-        let pages = self.pages.alloc(need).ok_or_else(|| RuntimeError::KvFull {
-            message: format!("the sequence needs {need} more pages, {available} are free"),
-        })?;
+        let available = self.free.len();
+        if need > available {
+            return Err(RuntimeError::KvFull { message: format!("the sequence needs {need} more pages, {available} are free") });
+        }
+        let pages: Vec<u32> = self.free.split_off(available - need).into_iter().rev().collect();
         if let Some(s) = self.seqs[seq.0 as usize].as_mut() {
             s.pages.extend(pages);
         }

@@ -1,9 +1,9 @@
 use kiln_runtime::session::{Runner, SessionOptions};
-use kiln_runtime::engine::chat_template::{ChatInput, ChatTemplate};
-use kiln_runtime::engine::forward::Forward;
-use kiln_runtime::engine::scheduler::{self, Event, GenerationRequest};
-use kiln_runtime::engine::sampling::SamplingParams;
-use kiln_runtime::engine::tokenizer::{StreamDecoder, Tokenizer};
+use kiln_engine::chat_template::{ChatInput, ChatTemplate};
+use kiln_engine::forward::Forward;
+use kiln_engine::scheduler::{self, Event, GenerationRequest};
+use kiln_engine::sampling::SamplingParams;
+use kiln_engine::tokenizer::{StreamDecoder, Tokenizer};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -48,7 +48,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.max_tokens == 0 {
         anyhow::bail!("--max-tokens must be at least 1");
     }
-    let params = SamplingParams { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, seed: a.seed };
+    let params = SamplingParams { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, seed: a.seed, ..SamplingParams::default() };
     params.validate().map_err(|m| anyhow::anyhow!("sampling: {m}"))?;
     let tok = Tokenizer::from_dir(&a.artifact)?;
     let text = if a.chat {
@@ -70,9 +70,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     // The same engine `kiln serve` uses, with one request.
-    let engine = scheduler::start(Box::new(model), 1);
+    let engine = scheduler::start(Box::new(model), scheduler::EngineOptions { max_waiting: 1, ..Default::default() });
     let (tx, rx) = std::sync::mpsc::channel();
-    let request = GenerationRequest { prompt: prompt.clone(), max_tokens: a.max_tokens, sampling: params, stop_ids: eos, ignore_eos: false, forced: None };
+    let request = GenerationRequest { sampling: params, stop_ids: eos, ..GenerationRequest::new(prompt.clone(), a.max_tokens) };
     let start = Instant::now();
     engine.submit(request, Box::new(move |e| tx.send(e).is_ok())).map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut out = std::io::stdout().lock();
@@ -80,10 +80,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let (mut prefill_s, mut first_token, mut generated) = (0.0, None, 0usize);
     for event in rx {
         match event {
-            Event::Admitted => {}
+            Event::Admitted { .. } => {}
             Event::Prefilled { tokens } if tokens == prompt.len() => prefill_s = start.elapsed().as_secs_f64(),
             Event::Prefilled { .. } => {}
-            Event::Token(id) => {
+            Event::Token { id, .. } => {
                 first_token.get_or_insert_with(Instant::now);
                 generated += 1;
                 write!(out, "{}", decoder.push(&tok, id)?)?;

@@ -1,11 +1,13 @@
 use crate::server::{serve, AppState, Loaded};
 use kiln_runtime::session::{Runner, SessionOptions};
-use kiln_runtime::engine::chat_template::ChatTemplate;
-use kiln_runtime::engine::scheduler;
-use kiln_runtime::engine::tokenizer::Tokenizer;
+use kiln_engine::chat_template::ChatTemplate;
+use kiln_engine::constraint::ConstraintCompiler;
+use kiln_engine::scheduler;
+use kiln_engine::tokenizer::Tokenizer;
 use kiln_runtime::plan::read_plan;
 use kiln_runtime::session::weights_dir;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// Serve a compiled plan behind an OpenAI-compatible HTTP API.
 ///
@@ -38,6 +40,15 @@ pub struct Args {
     /// Requests that may wait for admission before new ones get HTTP 429.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
+    /// Cap the KV cache at this many tokens (SGLang's flag; default: every page the plan
+    /// reserves). Requests take KV pages as they grow; when the pool runs dry the youngest
+    /// running request is preempted and later recomputed. Caps the context too.
+    #[arg(long)]
+    max_total_tokens: Option<usize>,
+    /// Do not keep finished requests' KV for reuse by prompts that start the same way
+    /// (automatic prefix caching is on by default).
+    #[arg(long)]
+    disable_prefix_cache: bool,
     /// Accept `kiln_forced_output` in requests (tests only: forces the generated text).
     #[arg(long, hide = true)]
     enable_test_hooks: bool,
@@ -54,7 +65,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let weights = weights_dir(&a.artifact, a.weights.as_deref())?;
     let state = AppState::new(name, a.api_key.clone(), a.enable_test_hooks);
     let artifact = a.artifact.clone();
-    let max_waiting = a.max_waiting;
+    let options = scheduler::EngineOptions { max_waiting: a.max_waiting, max_total_tokens: a.max_total_tokens, prefix_cache: !a.disable_prefix_cache };
+    if a.max_total_tokens == Some(0) {
+        anyhow::bail!("--max-total-tokens must be at least one KV page ({} tokens)", plan.memory.kv.page_size);
+    }
     let load = move || -> anyhow::Result<Loaded> {
         let tokenizer = Tokenizer::from_dir(&artifact)?;
         let chat_template = match ChatTemplate::from_dir(&artifact) {
@@ -66,8 +80,25 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         };
         let eos_ids = plan.model.eos_token_ids.clone();
         let forward = Runner::open(&artifact, Some(&weights), SessionOptions { progress: true, backend, ..SessionOptions::default() })?;
-        let engine = scheduler::start(Box::new(forward), max_waiting);
-        Ok(Loaded { engine, tokenizer, chat_template, eos_ids })
+        let vocab = plan.model.vocab_size;
+        let constraints = match ConstraintCompiler::new(&tokenizer, vocab, &eos_ids) {
+            Ok(c) => Some(Arc::new(c)),
+            Err(e) => {
+                eprintln!("warning: structured output (response_format, forced tool_choice) is disabled: {e}");
+                None
+            }
+        };
+        let engine = scheduler::start(Box::new(forward), options);
+        let l = engine.limits;
+        eprintln!(
+            "kiln serve: KV pool {} tokens ({} pages of {}), context {} tokens, prefix cache {}",
+            l.total_pages * l.page_size,
+            l.total_pages,
+            l.page_size,
+            l.max_context,
+            if options.prefix_cache { "on" } else { "off" }
+        );
+        Ok(Loaded { engine, tokenizer, chat_template, eos_ids, constraints })
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(serve(state, addr, load))

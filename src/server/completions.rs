@@ -1,9 +1,11 @@
 //! `POST /v1/completions`: text in, text out (streaming or not).
 
 use super::errors::ApiError;
-use super::generation::{forced_tokens, Generation, GenerationSpec, Piece};
-use super::params::{parse_body, parse_common};
-use super::sse::sse_response;
+use super::generation::{forced_tokens, start, total_usage, usage_json, GenerationSpec, Piece, Usage};
+use super::logprobs::CompletionLogprobs;
+use super::params::{parse_body, parse_common, ResponseFormat};
+use super::sse::{sse_response, Item};
+use super::structured::Structure;
 use super::state::unix_now;
 use super::{loaded, RequestId};
 use super::AppState;
@@ -33,46 +35,104 @@ pub async fn completions(State(state): State<AppState>, Extension(rid): Extensio
         return Err(ApiError::invalid("`prompt` is empty", Some("prompt")));
     }
     let forced = forced_tokens(&state, &loaded, p.forced_output.as_deref())?;
-    let spec = GenerationSpec { prompt, prompt_param: "prompt", max_tokens: p.max_tokens, sampling: p.sampling, stop: p.stop, ignore_eos: p.ignore_eos, forced };
-    let mut gen = Generation::start(&state, loaded, spec)?;
+    let n = p.n;
+    let structure = match &p.response_format {
+        ResponseFormat::Text => Structure::Free,
+        f => Structure::Json(f.clone()),
+    };
+    let spec = GenerationSpec {
+        prompt,
+        prompt_param: "prompt",
+        max_tokens: p.max_tokens,
+        sampling: p.sampling,
+        stop: p.stop,
+        stop_token_ids: p.stop_token_ids,
+        ignore_eos: p.ignore_eos,
+        min_tokens: p.min_tokens,
+        logprobs: p.logprobs,
+        tokens_as_ids: p.tokens_as_ids,
+        structure,
+        thinking: false,
+        n,
+        forced,
+    };
+    let mut pieces = start(&state, loaded, spec, &rid.0)?;
+    let with_logprobs = p.logprobs.is_some();
     let id = state.new_id("cmpl");
     let model = state.served_model.clone();
     let created = unix_now();
+    // Per choice: text so far, logprobs, finish reason, usage.
+    let mut choices: Vec<(String, CompletionLogprobs, Option<&'static str>, Usage)> = (0..n).map(|_| Default::default()).collect();
     if !p.stream {
-        let mut text = String::new();
-        while let Some(piece) = gen.next(&rid.0).await {
+        let mut finished = 0;
+        while finished < n {
+            let Some((i, piece)) = pieces.recv().await else { break };
+            let c = &mut choices[i];
             match piece? {
-                Piece::Token { text: t } => text += &t,
-                Piece::Done { reason, tail, prompt_tokens, completion_tokens } => {
-                    text += &tail;
-                    return Ok(Json(json!({
-                        "id": id, "object": "text_completion", "created": created, "model": model,
-                        "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": reason}],
-                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
-                    }))
-                    .into_response());
+                Piece::Token { text, logprobs } => {
+                    if let Some(l) = &logprobs {
+                        c.1.push(l, c.0.len());
+                    }
+                    c.0 += &text;
+                }
+                Piece::Done { reason, tail, usage } => {
+                    c.0 += &tail;
+                    c.2 = Some(reason);
+                    c.3 = usage;
+                    finished += 1;
                 }
             }
         }
-        return Err(ApiError::internal(&rid.0, "generation ended without a finish event"));
+        if finished < n {
+            return Err(ApiError::internal(&rid.0, "generation ended without a finish event"));
+        }
+        let usage = total_usage(&choices.iter().map(|c| c.3).collect::<Vec<_>>());
+        let out: Vec<Value> = choices
+            .into_iter()
+            .enumerate()
+            .map(|(index, mut c)| {
+                let logprobs = if with_logprobs { c.1.take() } else { Value::Null };
+                json!({"index": index, "text": c.0, "logprobs": logprobs, "finish_reason": c.2})
+            })
+            .collect();
+        return Ok(Json(json!({
+            "id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": out,
+            "usage": usage_json(usage, None),
+        }))
+        .into_response());
     }
-    let chunk = move |text: &str, reason: Option<&str>| {
+    let chunk = move |index: usize, text: &str, logprobs: Value, reason: Option<&str>| {
         json!({"id": id, "object": "text_completion", "created": created, "model": model,
-               "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": reason}]})
+               "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]})
     };
     let include_usage = p.include_usage;
-    Ok(sse_response(gen, rid, move |piece| match piece {
-        Piece::Token { text } if text.is_empty() => vec![],
-        Piece::Token { text } => vec![chunk(&text, None)],
-        Piece::Done { reason, tail, prompt_tokens, completion_tokens } => {
-            let mut out = vec![chunk(&tail, Some(reason))];
-            if include_usage {
-                let mut u = chunk("", None);
-                u["choices"] = json!([]);
-                u["usage"] = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
-                out.push(u);
+    Ok(sse_response(pieces, n, move |item| match item {
+        Item::Piece(i, Piece::Token { text, logprobs }) => {
+            let c = &mut choices[i];
+            let lp = match &logprobs {
+                Some(l) => {
+                    c.1.push(l, c.0.len());
+                    c.1.take()
+                }
+                None => Value::Null,
+            };
+            c.0 += &text;
+            if text.is_empty() && lp.is_null() {
+                return vec![];
             }
-            out
+            vec![chunk(i, &text, lp, None)]
         }
+        Item::Piece(i, Piece::Done { reason, tail, usage }) => {
+            choices[i].3 = usage;
+            vec![chunk(i, &tail, Value::Null, Some(reason))]
+        }
+        Item::End if include_usage => {
+            let mut u = chunk(0, "", Value::Null, None);
+            u["choices"] = json!([]);
+            u["usage"] = usage_json(total_usage(&choices.iter().map(|c| c.3).collect::<Vec<_>>()), None);
+            vec![u]
+        }
+        Item::End => vec![],
     }))
 }

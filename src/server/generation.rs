@@ -1,13 +1,16 @@
-//! One request's generation as seen by an HTTP handler: engine events turned into text deltas
-//! (streaming detokenisation, stop strings), with latency metrics recorded on the way. Dropping
-//! it cancels the sequence in the engine and frees its KV pages.
+//! A request's generation as seen by an HTTP handler: one engine sequence per choice, its events
+//! turned into text deltas (streaming detokenisation, stop strings, log-probabilities), with
+//! latency metrics recorded on the way. The choices' pieces arrive merged on one channel;
+//! dropping it cancels every choice's sequence in the engine and frees its KV pages.
 
 use super::errors::ApiError;
+use super::logprobs::TokenInfo;
 use super::state::Loaded;
+use super::structured::{constraint, Structure};
 use super::AppState;
-use kiln_runtime::engine::scheduler::{Event, FinishReason, GenerationRequest, Rejected};
-use kiln_runtime::engine::stop::StopMatcher;
-use kiln_runtime::engine::tokenizer::StreamDecoder;
+use kiln_engine::scheduler::{Event, FinishReason, GenerationRequest, Rejected};
+use kiln_engine::stop::StopMatcher;
+use kiln_engine::tokenizer::StreamDecoder;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,12 +18,20 @@ use tokio::sync::mpsc;
 
 pub enum Piece {
     /// One generated token and the text it makes visible now (may be empty).
-    Token { text: String },
+    Token { text: String, logprobs: Option<TokenInfo> },
     /// Generation ended; `tail` is text held back until now.
-    Done { reason: &'static str, tail: String, prompt_tokens: usize, completion_tokens: usize },
+    Done { reason: &'static str, tail: String, usage: Usage },
 }
 
-pub struct Generation {
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens the prefix cache served.
+    pub cached_tokens: usize,
+}
+
+struct Generation {
     rx: mpsc::UnboundedReceiver<Event>,
     loaded: Arc<Loaded>,
     state: AppState,
@@ -29,8 +40,10 @@ pub struct Generation {
     started: Instant,
     last_token: Option<Instant>,
     prompt_tokens: usize,
+    cached_tokens: usize,
     generated: usize,
     finished: bool,
+    tokens_as_ids: bool,
 }
 
 /// The test hook's forced output as token ids; refused unless the server enabled test hooks.
@@ -47,76 +60,120 @@ pub struct GenerationSpec {
     /// The request field the prompt came from (`prompt` or `messages`), for error messages.
     pub prompt_param: &'static str,
     pub max_tokens: Option<usize>,
-    pub sampling: kiln_runtime::engine::sampling::SamplingParams,
+    pub sampling: kiln_engine::sampling::SamplingParams,
     pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    pub min_tokens: usize,
+    pub logprobs: Option<usize>,
+    /// Logprob tokens as `token_id:N` (vLLM's `return_tokens_as_token_ids`).
+    pub tokens_as_ids: bool,
+    /// What the output must be, and whether the prompt ends inside `<think>`.
+    pub structure: Structure,
+    pub thinking: bool,
+    pub n: usize,
     /// Test hook (`--enable-test-hooks`): output tokens to force instead of sampling.
     pub forced: Option<Vec<u32>>,
 }
 
-impl Generation {
-    pub fn start(state: &AppState, loaded: Arc<Loaded>, spec: GenerationSpec) -> Result<Generation, ApiError> {
-        let limits = loaded.engine.limits;
-        if spec.prompt.len() >= limits.max_context {
-            return Err(ApiError::context_length(
-                format!("This model's maximum context length is {} tokens; the prompt has {} tokens", limits.max_context, spec.prompt.len()),
-                spec.prompt_param,
-            ));
-        }
-        let room = limits.max_context - spec.prompt.len();
-        let max_tokens = spec.max_tokens.unwrap_or(room);
-        if max_tokens > room {
-            return Err(ApiError::context_length(
-                format!(
-                    "This model's maximum context length is {} tokens; the prompt has {} tokens and max_tokens asks for {max_tokens} more",
-                    limits.max_context,
-                    spec.prompt.len()
-                ),
-                "max_tokens",
-            ));
-        }
+/// The pieces of every choice, tagged with the choice's index.
+pub type Choices = mpsc::UnboundedReceiver<(usize, Result<Piece, ApiError>)>;
+
+/// Submits the `spec.n` choices (choice i samples with seed + i) and merges their pieces.
+pub fn start(state: &AppState, loaded: Arc<Loaded>, spec: GenerationSpec, request_id: &str) -> Result<Choices, ApiError> {
+    let limits = loaded.engine.limits;
+    if spec.prompt.len() >= limits.max_context {
+        return Err(ApiError::context_length(
+            format!("This model's maximum context length is {} tokens; the prompt has {} tokens", limits.max_context, spec.prompt.len()),
+            spec.prompt_param,
+        ));
+    }
+    let room = limits.max_context - spec.prompt.len();
+    let max_tokens = spec.max_tokens.unwrap_or(room);
+    if max_tokens > room {
+        return Err(ApiError::context_length(
+            format!(
+                "This model's maximum context length is {} tokens; the prompt has {} tokens and max_tokens asks for {max_tokens} more",
+                limits.max_context,
+                spec.prompt.len()
+            ),
+            "max_tokens",
+        ));
+    }
+    if let Some(bad) = spec.stop_token_ids.iter().find(|&&t| t as usize >= limits.vocab_size) {
+        return Err(ApiError::invalid(format!("stop token id {bad} is outside the vocabulary of {}", limits.vocab_size), Some("stop_token_ids")));
+    }
+    let mut stop_ids = loaded.eos_ids.clone();
+    stop_ids.extend(&spec.stop_token_ids);
+    let mut gens = Vec::with_capacity(spec.n);
+    for i in 0..spec.n {
         let (tx, rx) = mpsc::unbounded_channel();
+        let mut sampling = spec.sampling;
+        sampling.seed = sampling.seed.wrapping_add(i as u64);
         let request = GenerationRequest {
-            prompt: spec.prompt.clone(),
-            max_tokens,
-            sampling: spec.sampling,
-            stop_ids: loaded.eos_ids.clone(),
+            sampling,
+            stop_ids: stop_ids.clone(),
             ignore_eos: spec.ignore_eos,
-            forced: spec.forced,
+            min_tokens: spec.min_tokens,
+            logprobs: spec.logprobs,
+            constraint: constraint(&loaded, &spec.structure, spec.thinking)?,
+            forced: spec.forced.clone(),
+            ..GenerationRequest::new(spec.prompt.clone(), max_tokens)
         };
+        // An earlier choice already submitted is cancelled when `gens` drops on error.
         loaded.engine.submit(request, Box::new(move |e| tx.send(e).is_ok())).map_err(|r| match r {
             Rejected::Invalid(m) => ApiError::invalid(m, None),
             Rejected::QueueFull { .. } => ApiError::busy(r.to_string()),
             Rejected::Stopped | Rejected::Failed(_) => ApiError::unavailable(r.to_string()),
         })?;
-        Ok(Generation {
+        gens.push(Generation {
             rx,
-            loaded,
+            loaded: loaded.clone(),
             state: state.clone(),
             decoder: StreamDecoder::default(),
-            stops: StopMatcher::new(spec.stop),
+            stops: StopMatcher::new(spec.stop.clone()),
             started: Instant::now(),
             last_token: None,
             prompt_tokens: spec.prompt.len(),
+            cached_tokens: 0,
             generated: 0,
             finished: false,
-        })
+            tokens_as_ids: spec.tokens_as_ids,
+        });
     }
+    let (tx, rx) = mpsc::unbounded_channel();
+    for (index, mut g) in gens.into_iter().enumerate() {
+        let (tx, rid) = (tx.clone(), request_id.to_string());
+        // Each choice forwards its pieces until it ends or the handler hangs up.
+        tokio::spawn(async move {
+            while let Some(piece) = g.next(&rid).await {
+                if tx.send((index, piece)).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    Ok(rx)
+}
 
+impl Generation {
     /// The next piece; None after Done. An engine error becomes an internal error.
-    pub async fn next(&mut self, request_id: &str) -> Option<Result<Piece, ApiError>> {
+    async fn next(&mut self, request_id: &str) -> Option<Result<Piece, ApiError>> {
         if self.finished {
             return None;
         }
         let metrics = &self.state.metrics;
         // Progress events only prove the client is still there (the engine cancels on failure).
         let mut event = self.rx.recv().await;
-        while matches!(event, Some(Event::Admitted | Event::Prefilled { .. })) {
+        while let Some(Event::Admitted { .. } | Event::Prefilled { .. }) = event {
+            if let Some(Event::Admitted { cached_tokens }) = event {
+                self.cached_tokens = cached_tokens;
+            }
             event = self.rx.recv().await;
         }
         let now = Instant::now();
         match event {
-            Some(Event::Token(id)) => {
+            Some(Event::Token { id, logprobs }) => {
                 self.generated += 1;
                 match self.last_token {
                     None => metrics.ttft.observe((now - self.started).as_secs_f64()),
@@ -127,14 +184,16 @@ impl Generation {
                     Ok(t) => t,
                     Err(e) => return Some(Err(self.fail(request_id, e))),
                 };
+                let logprobs = logprobs.map(|l| TokenInfo::new(&self.loaded.tokenizer, id, &l, self.tokens_as_ids));
                 let visible = self.stops.push(&text);
                 if self.stops.stopped() {
                     // A stop string: end here; dropping the receiver cancels the sequence.
                     return Some(Ok(self.done("stop", visible)));
                 }
-                Some(Ok(Piece::Token { text: visible }))
+                Some(Ok(Piece::Token { text: visible, logprobs }))
             }
-            Some(Event::Finished { reason, .. }) => {
+            Some(Event::Finished { reason, cached_tokens, .. }) => {
+                self.cached_tokens = cached_tokens;
                 let tail = self.stops.finish();
                 let reason = match reason {
                     FinishReason::Stop => "stop",
@@ -150,7 +209,7 @@ impl Generation {
                 }
                 None => Some(Err(self.fail(request_id, e))),
             },
-            Some(Event::Admitted | Event::Prefilled { .. }) => unreachable!("skipped above"),
+            Some(Event::Admitted { .. } | Event::Prefilled { .. }) => unreachable!("skipped above"),
             None => Some(Err(self.fail(request_id, "the engine stopped"))),
         }
     }
@@ -160,7 +219,8 @@ impl Generation {
         self.rx.close();
         self.state.metrics.e2e.observe(self.started.elapsed().as_secs_f64());
         self.state.metrics.requests_ok.fetch_add(1, Ordering::Relaxed);
-        Piece::Done { reason, tail, prompt_tokens: self.prompt_tokens, completion_tokens: self.generated }
+        let usage = Usage { prompt_tokens: self.prompt_tokens, completion_tokens: self.generated, cached_tokens: self.cached_tokens };
+        Piece::Done { reason, tail, usage }
     }
 
     fn fail(&mut self, request_id: &str, cause: impl std::fmt::Display) -> ApiError {
@@ -168,4 +228,26 @@ impl Generation {
         self.state.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
         ApiError::internal(request_id, cause)
     }
+}
+
+/// The usage of a whole request: the prompt counts once, completions add up; the cached
+/// prompt tokens are the first choice's (the others share its pages).
+pub fn total_usage(choices: &[Usage]) -> Usage {
+    Usage {
+        prompt_tokens: choices.first().map_or(0, |u| u.prompt_tokens),
+        completion_tokens: choices.iter().map(|u| u.completion_tokens).sum(),
+        cached_tokens: choices.first().map_or(0, |u| u.cached_tokens),
+    }
+}
+
+pub fn usage_json(u: Usage, reasoning_tokens: Option<usize>) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    });
+    if let Some(r) = reasoning_tokens {
+        v["completion_tokens_details"] = serde_json::json!({"reasoning_tokens": r});
+    }
+    v
 }

@@ -1,6 +1,6 @@
 //! Prometheus metrics: token counters, latency histograms, queue and KV gauges.
 
-use kiln_runtime::engine::scheduler::EngineStats;
+use kiln_engine::scheduler::EngineStats;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -78,6 +78,10 @@ impl Metrics {
             metric("kiln_requests_waiting", "gauge", "Requests waiting for admission.", e.waiting.load(Ordering::SeqCst) as f64);
             metric("kiln_kv_cache_pages_used", "gauge", "KV cache pages in use.", used);
             metric("kiln_kv_cache_usage_ratio", "gauge", "Fraction of KV cache pages in use.", used / total);
+            metric("kiln_kv_cache_pages_cached", "gauge", "Cached KV pages no request holds (reusable, evicted when needed).", e.kv_pages_cached.load(Ordering::SeqCst) as f64);
+            metric("kiln_prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache.", e.prompt_tokens_cached.load(Ordering::Relaxed) as f64);
+            metric("kiln_prefix_cache_evictions_total", "counter", "Cached KV pages evicted to make room.", e.prefix_cache_evictions.load(Ordering::Relaxed) as f64);
+            metric("kiln_preemptions_total", "counter", "Running requests preempted to free KV pages (recomputed on resume).", e.preemptions.load(Ordering::Relaxed) as f64);
         }
         metric("kiln_requests_succeeded_total", "counter", "Requests that finished.", self.requests_ok.load(Ordering::Relaxed) as f64);
         metric("kiln_requests_failed_total", "counter", "Requests answered with an error.", self.requests_failed.load(Ordering::Relaxed) as f64);

@@ -5,10 +5,12 @@ mod chat;
 mod completions;
 mod errors;
 mod generation;
+mod logprobs;
 mod metrics;
 mod params;
 mod sse;
 mod state;
+mod structured;
 
 pub use errors::ApiError;
 pub use state::{AppState, Loaded};

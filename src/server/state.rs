@@ -1,9 +1,10 @@
 //! Shared server state: configuration, metrics, and the model once it has loaded.
 
 use super::metrics::Metrics;
-use kiln_runtime::engine::chat_template::ChatTemplate;
-use kiln_runtime::engine::scheduler::EngineHandle;
-use kiln_runtime::engine::tokenizer::Tokenizer;
+use kiln_engine::chat_template::ChatTemplate;
+use kiln_engine::constraint::ConstraintCompiler;
+use kiln_engine::scheduler::EngineHandle;
+use kiln_engine::tokenizer::Tokenizer;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -15,6 +16,9 @@ pub struct Loaded {
     pub chat_template: Option<ChatTemplate>,
     /// Token ids that end generation (the model's eos ids).
     pub eos_ids: Vec<u32>,
+    /// Compiles `response_format` / forced `tool_choice` grammars (None: the tokenizer could
+    /// not be prepared; those requests get a 400 saying so).
+    pub constraints: Option<Arc<ConstraintCompiler>>,
 }
 
 pub struct Inner {

@@ -57,6 +57,11 @@ pub fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
 /// serves model `kiln-tiny` with --enable-test-hooks. Skipped (with a note) only outside CI
 /// when the client is not installed.
 pub fn openai_client_suite(port: u16, what: &str) {
+    openai_client_script(port, "test_openai_client.py", what)
+}
+
+/// Runs `tests/server/<script>` with the official client against the server on `port`.
+pub fn openai_client_script(port: u16, script: &str, what: &str) {
     let python = std::env::var("KILN_PYTHON").unwrap_or_else(|_| "python3".into());
     let has_openai = Command::new(&python).args(["-c", "import openai"]).status().map(|s| s.success()).unwrap_or(false);
     if !has_openai {
@@ -64,7 +69,7 @@ pub fn openai_client_suite(port: u16, what: &str) {
         eprintln!("SKIPPED the openai client tests: `{python} -c 'import openai'` failed (set KILN_PYTHON)");
         return;
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/server/test_openai_client.py");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/server").join(script);
     let out = Command::new(&python).arg(&script).env("KILN_BASE_URL", format!("http://127.0.0.1:{port}")).env("KILN_MODEL", "kiln-tiny").output().unwrap();
     let report = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "openai client tests failed ({what}):\n{report}\n{}", String::from_utf8_lossy(&out.stderr));

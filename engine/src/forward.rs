@@ -2,6 +2,8 @@
 //! sequence, or over one decode token for each of several sequences. The engine owns the KV page
 //! allocation and passes each sequence's page table.
 
+use kiln_runtime::session::{DecodeRow, LogitRows, Runner};
+
 /// One sequence in a decode step.
 #[derive(Debug, Clone, Copy)]
 pub struct DecodeItem<'a> {
@@ -32,5 +34,37 @@ pub trait Forward: Send {
     /// Why the backend can serve nothing any more (a GPU fault), once that has happened.
     fn failure(&self) -> Option<String> {
         None
+    }
+}
+
+/// The runtime's runner is what the engine drives in `kiln serve` and `kiln run`.
+impl Forward for Runner {
+    fn vocab_size(&self) -> usize {
+        Runner::vocab_size(self)
+    }
+    fn page_size(&self) -> usize {
+        Runner::page_size(self)
+    }
+    fn total_pages(&self) -> usize {
+        Runner::total_pages(self)
+    }
+    fn max_context(&self) -> usize {
+        Runner::max_context(self)
+    }
+    fn max_decode_batch(&self) -> usize {
+        Runner::max_decode_batch(self)
+    }
+    fn max_prefill_chunk(&self) -> usize {
+        Runner::max_prefill_chunk(self)
+    }
+    fn failure(&self) -> Option<String> {
+        self.backend().failure().map(str::to_string)
+    }
+    fn prefill(&mut self, pages: &[u32], start: usize, tokens: &[u32]) -> Result<Vec<f32>, String> {
+        Runner::prefill(self, pages, start, tokens, LogitRows::Last).map(<[f32]>::to_vec).map_err(|e| e.to_string())
+    }
+    fn decode(&mut self, items: &[DecodeItem<'_>]) -> Result<Vec<f32>, String> {
+        let rows: Vec<DecodeRow> = items.iter().map(|i| DecodeRow { pages: i.pages, pos: i.pos, token: i.token }).collect();
+        Runner::decode(self, &rows).map(<[f32]>::to_vec).map_err(|e| e.to_string())
     }
 }

@@ -18,7 +18,7 @@ use std::sync::OnceLock;
 
 use serde_json::Value;
 
-use crate::engine::reasoning::{held_suffix, ReasoningParser};
+use crate::reasoning::{held_suffix, ReasoningParser};
 
 const CALL_START: &str = "<tool_call>";
 const CALL_END: &str = "</tool_call>";
@@ -669,7 +669,7 @@ impl OutputParser {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::Rng;
+    use kiln_runtime::rng::Rng;
 
     /// Content, and (name, arguments) of each call.
     type Parsed = (String, Vec<(String, String)>);

@@ -37,6 +37,35 @@ impl Tokenizer {
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
+
+    /// The bytes token `id` stands for (what OpenAI's logprobs call `bytes`): a byte-level BPE
+    /// token's string mapped back through GPT-2's byte alphabet, or the token's text when it is
+    /// not byte-level (added tokens such as `<think>` are their own text either way).
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let Some(piece) = self.inner.id_to_token(id) else { return Vec::new() };
+        let special = self.inner.get_added_vocabulary().get_added_tokens_decoder().get(&id).is_some_and(|t| t.special);
+        match piece.chars().map(byte_of_char).collect::<Option<Vec<u8>>>() {
+            Some(bytes) if !special => bytes,
+            _ => piece.into_bytes(),
+        }
+    }
+
+    /// The underlying tokenizer, for code that needs its vocabulary (constrained decoding).
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}
+
+/// Inverse of GPT-2's byte -> printable character map: printable Latin-1 bytes stand for
+/// themselves, the other 68 bytes for U+0100 onwards in byte order.
+fn byte_of_char(c: char) -> Option<u8> {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let code = c as u32;
+    if code < 256 && printable(code as u8) {
+        return Some(code as u8);
+    }
+    let shifted = code.checked_sub(256)? as usize;
+    (0..=255u8).filter(|&b| !printable(b)).nth(shifted)
 }
 
 /// Turns a growing token sequence into text deltas, holding back incomplete UTF-8 (a byte-level

@@ -46,7 +46,7 @@ impl TemplateJson {
         serde_json::from_str(json)
     }
 
-    /// The same value as `serde_json` (e.g. the tools, for [`crate::engine::tool_calls`]).
+    /// The same value as `serde_json` (e.g. the tools, for [`crate::tool_calls`]).
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::to_value(&self.0).unwrap_or_default()
     }
@@ -585,7 +585,7 @@ fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
 mod tests {
     use super::*;
 
-    const TINY: &str = include_str!("../../../compiler/src/synth/chat_template.jinja");
+    const TINY: &str = include_str!("../../compiler/src/synth/chat_template.jinja");
 
     fn render(input_json: &str) -> String {
         let input: ChatInput = serde_json::from_str(input_json).expect("input JSON");
@@ -685,8 +685,9 @@ mod tests {
 
     #[test]
     fn tojson_is_python_json_dumps() {
-        let v = serde_json::json!({"b": [1, 2.0, -0.0, 1e-7, 123456.789, null], "a": "é\u{1F600}<&>\u{1}\u{7f}", "c": {}, "d": []});
-        // serde_json sorts keys here (no preserve_order), so the expectations use a, b, c, d.
+        // Keys in sorted order, so the expectations hold with serde_json's preserve_order
+        // feature (which llguidance turns on) and without it.
+        let v = serde_json::json!({"a": "é\u{1F600}<&>\u{1}\u{7f}", "b": [1, 2.0, -0.0, 1e-7, 123456.789, null], "c": {}, "d": []});
         assert_eq!(
             tojson("{{ tools[0] | tojson }}", v.clone()),
             "{\"a\": \"é😀<&>\\u0001\u{7f}\", \"b\": [1, 2.0, -0.0, 1e-07, 123456.789, null], \"c\": {}, \"d\": []}"

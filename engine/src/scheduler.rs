@@ -1,0 +1,424 @@
+//! Continuous batching. One engine thread owns the backend; requests arrive on a channel and
+//! stream events back. Every iteration admits what fits, runs at most one prefill chunk (chunked
+//! prefill, so a long prompt never stalls running sequences for long) and one decode step over
+//! every decoding sequence.
+//!
+//! KV pages are taken on demand: admission needs only the prompt's pages (less what the prefix
+//! cache already holds), and a decoding sequence gets a page when its next token starts one.
+//! When the pool runs dry the youngest running sequence is preempted: it gives up its pages and
+//! goes back to the head of the queue, and on resume its prompt and output are recomputed by
+//! prefill (vLLM's recompute policy), so its output is what it would have been. Its full pages
+//! stay in the prefix cache meanwhile, so a resume often recomputes little.
+
+use crate::forward::{DecodeItem, Forward};
+use crate::pages::PagePool;
+pub use crate::request::{Event, EventSink, FinishReason, GenerationRequest, Rejected, TokenConstraint};
+use crate::sequence::{Phase, Sequence};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+
+/// Live counters for `/metrics` and admission decisions.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    pub running: AtomicUsize,
+    /// Queued requests, preempted sequences included.
+    pub waiting: AtomicUsize,
+    /// Pages some sequence holds.
+    pub kv_pages_used: AtomicUsize,
+    /// Cached pages no sequence holds (reused by a matching prompt, evicted when needed).
+    pub kv_pages_cached: AtomicUsize,
+    pub kv_pages_total: AtomicUsize,
+    pub prompt_tokens: AtomicU64,
+    /// Prompt tokens whose KV the prefix cache served (at first admission).
+    pub prompt_tokens_cached: AtomicU64,
+    pub generation_tokens: AtomicU64,
+    /// Sequences that gave up their pages to make room (recomputed on resume).
+    pub preemptions: AtomicU64,
+    /// Cached pages evicted to make room.
+    pub prefix_cache_evictions: AtomicU64,
+    /// Set when the engine thread has ended (including by a panic): nothing will be served.
+    pub stopped: std::sync::atomic::AtomicBool,
+    /// Set when the backend failed for good (a GPU fault): every request fails, /health is 503.
+    pub failure: std::sync::Mutex<Option<String>>,
+}
+
+impl EngineStats {
+    pub fn failure(&self) -> Option<String> {
+        self.failure.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// Marks the engine stopped when its thread ends, however it ends.
+struct StoppedOnDrop(Arc<EngineStats>);
+
+impl Drop for StoppedOnDrop {
+    fn drop(&mut self) {
+        self.0.stopped.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Limits the server derives from the plan and the options.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub vocab_size: usize,
+    /// The longest sequence served: the plan's context, capped by the KV pool.
+    pub max_context: usize,
+    pub total_pages: usize,
+    pub page_size: usize,
+    pub max_decode_batch: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct EngineOptions {
+    /// Requests that may wait for admission before new ones are refused (HTTP 429).
+    pub max_waiting: usize,
+    /// Caps the KV pool at this many tokens (SGLang's `--max-total-tokens`); None: the plan's.
+    pub max_total_tokens: Option<usize>,
+    pub prefix_cache: bool,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions { max_waiting: 256, max_total_tokens: None, prefix_cache: true }
+    }
+}
+
+struct Submission {
+    request: GenerationRequest,
+    sink: EventSink,
+}
+
+/// Cheap to clone; submits to the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Submission>,
+    pub stats: Arc<EngineStats>,
+    pub limits: Limits,
+    max_waiting: usize,
+}
+
+impl EngineHandle {
+    /// Validates and enqueues a request. Events go to `sink` until it returns false or the
+    /// request finishes.
+    pub fn submit(&self, request: GenerationRequest, sink: EventSink) -> Result<(), Rejected> {
+        let l = self.limits;
+        if request.prompt.is_empty() {
+            return Err(Rejected::Invalid("the prompt is empty".into()));
+        }
+        if let Some(bad) = request.prompt.iter().find(|&&t| t as usize >= l.vocab_size) {
+            return Err(Rejected::Invalid(format!("token id {bad} is outside the vocabulary of {}", l.vocab_size)));
+        }
+        if request.prompt.len() >= l.max_context {
+            return Err(Rejected::Invalid(format!(
+                "the prompt has {} tokens; this model's context is {} tokens, prompt and completion included",
+                request.prompt.len(),
+                l.max_context
+            )));
+        }
+        if let Some(bad) = request.forced.iter().flatten().find(|&&t| t as usize >= l.vocab_size) {
+            return Err(Rejected::Invalid(format!("forced token id {bad} is outside the vocabulary of {}", l.vocab_size)));
+        }
+        if request.max_tokens == 0 {
+            return Err(Rejected::Invalid("max_tokens must be at least 1".into()));
+        }
+        if let Some(n) = request.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(Rejected::Invalid(format!("at most {MAX_TOP_LOGPROBS} top logprobs, got {n}")));
+        }
+        request.sampling.validate().map_err(Rejected::Invalid)?;
+        if let Some(f) = self.stats.failure() {
+            return Err(Rejected::Failed(f));
+        }
+        let waiting = self.stats.waiting.load(Ordering::SeqCst);
+        if waiting >= self.max_waiting {
+            return Err(Rejected::QueueFull { waiting });
+        }
+        self.stats.waiting.fetch_add(1, Ordering::SeqCst);
+        self.tx.send(Submission { request, sink }).map_err(|_| {
+            self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
+            Rejected::Stopped
+        })
+    }
+}
+
+/// The most alternatives a request may ask log-probabilities for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Starts the engine thread over `model`.
+pub fn start(model: Box<dyn Forward>, options: EngineOptions) -> EngineHandle {
+    let page_size = model.page_size().max(1);
+    let total_pages = match options.max_total_tokens {
+        Some(t) => (t / page_size).min(model.total_pages()),
+        None => model.total_pages(),
+    };
+    let limits = Limits {
+        vocab_size: model.vocab_size(),
+        // A sequence alone must always fit, so that preemption can always make progress.
+        max_context: model.max_context().min(total_pages * page_size),
+        total_pages,
+        page_size,
+        max_decode_batch: model.max_decode_batch(),
+    };
+    let stats = Arc::new(EngineStats::default());
+    stats.kv_pages_total.store(limits.total_pages, Ordering::SeqCst);
+    let (tx, rx) = mpsc::channel();
+    let thread_stats = stats.clone();
+    std::thread::Builder::new()
+        .name("kiln-engine".into())
+        .spawn(move || {
+            let _guard = StoppedOnDrop(thread_stats.clone());
+            Engine::new(model, thread_stats, limits, options.prefix_cache).run(rx)
+        })
+        .expect("spawn engine thread");
+    EngineHandle { tx, stats, limits, max_waiting: options.max_waiting }
+}
+
+struct Engine {
+    model: Box<dyn Forward>,
+    stats: Arc<EngineStats>,
+    limits: Limits,
+    pool: PagePool,
+    /// Oldest first; preempted sequences go back to the front.
+    waiting: VecDeque<Sequence>,
+    /// Sorted by arrival: the first one still in prefill gets the next chunk, the last one is
+    /// the first preempted.
+    running: Vec<Sequence>,
+    arrivals: u64,
+}
+
+impl Engine {
+    fn new(model: Box<dyn Forward>, stats: Arc<EngineStats>, limits: Limits, prefix_cache: bool) -> Engine {
+        let pool = PagePool::new(limits.total_pages, limits.page_size, prefix_cache);
+        Engine { model, stats, limits, pool, waiting: VecDeque::new(), running: Vec::new(), arrivals: 0 }
+    }
+
+    fn run(mut self, rx: mpsc::Receiver<Submission>) {
+        loop {
+            // Block only when there is nothing to do.
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match rx.recv() {
+                    Ok(s) => self.enqueue(s),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(s) = rx.try_recv() {
+                self.enqueue(s);
+            }
+            self.admit();
+            self.prefill_one_chunk();
+            self.decode_step();
+            self.publish();
+            if self.note_failure() {
+                // Nothing can run any more: fail everything still waiting.
+                for mut s in self.waiting.drain(..) {
+                    self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
+                    (s.sink)(Event::Error("the backend has failed; the request was not run".into()));
+                }
+            }
+        }
+    }
+
+    fn enqueue(&mut self, s: Submission) {
+        self.arrivals += 1;
+        self.waiting.push_back(Sequence::new(s.request, s.sink, self.arrivals, self.limits.max_context));
+    }
+
+    fn publish(&self) {
+        self.stats.running.store(self.running.len(), Ordering::SeqCst);
+        self.stats.kv_pages_used.store(self.pool.used(), Ordering::SeqCst);
+        self.stats.kv_pages_cached.store(self.pool.cached_idle(), Ordering::SeqCst);
+        self.stats.prefix_cache_evictions.store(self.pool.evictions(), Ordering::Relaxed);
+    }
+
+    /// FIFO admission while decode slots and the pages of the next sequence's tokens last.
+    fn admit(&mut self) {
+        let ps = self.pool.page_size();
+        while self.running.len() < self.limits.max_decode_batch {
+            let Some(front) = self.waiting.front() else { break };
+            let len = front.tokens.len();
+            // The last token is always computed: its logits choose the next one.
+            let found = self.pool.lookup(&front.tokens, (len - 1) / ps);
+            if self.prefix_in_flight(&front.tokens, found.pages.len()) {
+                break;
+            }
+            let need = len.div_ceil(ps) - found.pages.len();
+            if need > self.pool.available() - self.pool.idle_among(&found.pages) {
+                break;
+            }
+            let mut s = self.waiting.pop_front().expect("front exists");
+            self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
+            self.pool.retain(&found.pages);
+            s.registered = found.pages.len();
+            s.cached = found.pages.len() * ps;
+            s.pages = found.pages;
+            s.pages.extend(self.pool.alloc(need).expect("counted above"));
+            s.chain = found.hash;
+            if !s.announced {
+                s.announced = true;
+                s.cached_prompt = s.cached;
+                self.stats.prompt_tokens.fetch_add(s.prompt_len() as u64, Ordering::Relaxed);
+                self.stats.prompt_tokens_cached.fetch_add(s.cached as u64, Ordering::Relaxed);
+                if !(s.sink)(Event::Admitted { cached_tokens: s.cached }) {
+                    s.drop_pages(&mut self.pool); // the client left while queued
+                    continue;
+                }
+            }
+            let at = self.running.partition_point(|r| r.arrival < s.arrival);
+            self.running.insert(at, s);
+        }
+        self.publish();
+    }
+
+    /// Whether a running sequence is still computing pages of `tokens`' prefix beyond the
+    /// `found` cached ones: waiting for it to register them beats computing them twice (`n`
+    /// choices, identical concurrent prompts).
+    fn prefix_in_flight(&self, tokens: &[u32], found: usize) -> bool {
+        let ps = self.pool.page_size();
+        let cap = (tokens.len() - 1) / ps;
+        self.running.iter().any(|r| {
+            let common = r.tokens.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+            let shared = (common / ps).min(cap).min(r.tokens.len() / ps);
+            r.phase == Phase::Prefill && shared > found && shared > r.registered
+        })
+    }
+
+    /// The oldest sequence in prefill gets one chunk.
+    fn prefill_one_chunk(&mut self) {
+        let Some(i) = self.running.iter().position(|s| s.phase == Phase::Prefill) else { return };
+        let chunk = self.model.max_prefill_chunk();
+        let s = &mut self.running[i];
+        let end = (s.cached + chunk).min(s.tokens.len());
+        let result = self.model.prefill(&s.pages, s.cached, &s.tokens[s.cached..end]);
+        match result {
+            Ok(logits) => {
+                s.cached = end;
+                s.register_full_pages(&mut self.pool);
+                // A resumed sequence's progress is not news to its client.
+                if s.generated() == 0 && !(s.sink)(Event::Prefilled { tokens: end }) {
+                    self.finish(i); // the client left during a long prefill
+                    return;
+                }
+                if end == s.tokens.len() {
+                    s.phase = Phase::Decode;
+                    self.next_token(i, &logits);
+                }
+            }
+            Err(e) => self.fail(i, e),
+        }
+    }
+
+    /// Chooses and emits sequence `i`'s next token; ends the sequence when it is over.
+    /// Returns whether it goes on.
+    fn next_token(&mut self, i: usize, logits: &[f32]) -> bool {
+        let s = &mut self.running[i];
+        match s.choose(logits) {
+            Ok((token, lp)) => {
+                let counted = token != u32::MAX && (s.request.ignore_eos || !s.request.stop_ids.contains(&token));
+                if counted {
+                    self.stats.generation_tokens.fetch_add(1, Ordering::Relaxed);
+                }
+                if s.emit(token, lp) {
+                    return true;
+                }
+                self.finish(i);
+            }
+            Err(e) => self.fail(i, format!("constrained decoding: {e}")),
+        }
+        false
+    }
+
+    /// Gives every decoding sequence the page its next token goes to, oldest first, preempting
+    /// the youngest running sequences when the pool is dry.
+    fn grow_pages(&mut self) {
+        let ps = self.pool.page_size();
+        let decoding: Vec<u64> = self.running.iter().filter(|s| s.phase == Phase::Decode).map(|s| s.arrival).collect();
+        for arrival in decoding {
+            // Until it has the page, or was itself the youngest and got preempted.
+            while let Some(i) = self.running.iter().position(|s| s.arrival == arrival) {
+                if self.running[i].pages.len() * ps > self.running[i].cached {
+                    break;
+                }
+                match self.pool.alloc(1) {
+                    Some(page) => self.running[i].pages.extend(page),
+                    None => self.preempt_youngest(),
+                }
+            }
+        }
+    }
+
+    fn preempt_youngest(&mut self) {
+        let Some(mut s) = self.running.pop() else { return };
+        s.drop_pages(&mut self.pool);
+        self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
+        self.stats.waiting.fetch_add(1, Ordering::SeqCst);
+        self.waiting.push_front(s);
+    }
+
+    /// One token for every decoding sequence, in plan-sized batches.
+    fn decode_step(&mut self) {
+        self.grow_pages();
+        let mut ready: Vec<u64> = self.running.iter().filter(|s| s.phase == Phase::Decode).map(|s| s.arrival).collect();
+        if ready.is_empty() {
+            return;
+        }
+        let batch_size = self.model.max_decode_batch().max(1);
+        let vocab = self.limits.vocab_size;
+        while !ready.is_empty() {
+            let batch: Vec<u64> = ready.drain(..batch_size.min(ready.len())).collect();
+            let index = |running: &[Sequence], a: u64| running.iter().position(|s| s.arrival == a).expect("decoding sequences stay running during a step");
+            let items: Vec<DecodeItem> = batch
+                .iter()
+                .map(|&a| {
+                    let s = &self.running[index(&self.running, a)];
+                    DecodeItem { pages: &s.pages, pos: s.cached, token: s.tokens[s.cached] }
+                })
+                .collect();
+            let result = self.model.decode(&items);
+            match result {
+                Ok(logits) => {
+                    for (row, &a) in batch.iter().enumerate() {
+                        let i = index(&self.running, a);
+                        let s = &mut self.running[i];
+                        s.cached += 1;
+                        s.register_full_pages(&mut self.pool);
+                        self.next_token(i, &logits[row * vocab..(row + 1) * vocab]);
+                    }
+                }
+                Err(e) => {
+                    self.note_failure();
+                    for &a in &batch {
+                        let i = index(&self.running, a);
+                        (self.running[i].sink)(Event::Error(e.clone()));
+                        self.finish(i);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Records a backend failure in the stats (before the failed requests hear of it, so that
+    /// the server can tell them the backend is gone); true once the backend has failed.
+    fn note_failure(&self) -> bool {
+        match self.model.failure() {
+            Some(f) => {
+                *self.stats.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn fail(&mut self, i: usize, message: String) {
+        self.note_failure();
+        (self.running[i].sink)(Event::Error(message));
+        self.finish(i);
+    }
+
+    /// Removes sequence `i`; its registered pages stay cached for prompts that start the same.
+    fn finish(&mut self, i: usize) {
+        let mut s = self.running.remove(i);
+        s.drop_pages(&mut self.pool);
+        self.publish();
+    }
+}
