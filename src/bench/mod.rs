@@ -1,6 +1,7 @@
-//! `kiln bench`: a serving benchmark client. Random token-id prompts of a fixed input length, a
-//! fixed number of output tokens (ignore_eos), bounded concurrency, streamed through
-//! `/v1/completions` so TTFT and inter-token latencies are measured per chunk.
+//! `kiln bench`: a serving benchmark client. Random token-id prompts of a fixed input length
+//! (optionally all starting with one shared prefix, like a system prompt, which exercises the
+//! prefix cache), a fixed number of output tokens (ignore_eos), bounded concurrency, streamed
+//! through `/v1/completions` so TTFT and inter-token latencies are measured per chunk.
 
 mod http;
 pub mod report;
@@ -19,17 +20,24 @@ pub struct BenchOptions {
     pub max_concurrency: usize,
     pub input_len: usize,
     pub output_len: usize,
+    /// The first this many tokens of every prompt are the same.
+    pub shared_prefix_len: usize,
     pub seed: u64,
 }
 
-/// Prompt `i`: `input_len` ids drawn from the byte range (valid in every kiln tokenizer).
-fn prompt(seed: u64, i: usize, len: usize) -> Vec<u32> {
-    let mut rng = kiln_runtime::rng::Rng::new(seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    (0..len).map(|_| (rng.next_u64() % 256) as u32).collect()
+/// Prompt `i`: `input_len` ids drawn from the byte range (valid in every kiln tokenizer), the
+/// first `shared` of them the same for every prompt.
+fn prompt(seed: u64, i: usize, len: usize, shared: usize) -> Vec<u32> {
+    let ids = |stream: u64, n: usize| {
+        let mut rng = kiln_runtime::rng::Rng::new(seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        (0..n).map(move |_| (rng.next_u64() % 256) as u32)
+    };
+    let shared = shared.min(len);
+    ids(u64::MAX, shared).chain(ids(i as u64, len - shared)).collect()
 }
 
 async fn one(opts: Arc<BenchOptions>, i: usize) -> RequestResult {
-    let ids = prompt(opts.seed, i, opts.input_len);
+    let ids = prompt(opts.seed, i, opts.input_len, opts.shared_prefix_len);
     let mut body = serde_json::json!({
         "prompt": ids, "max_tokens": opts.output_len, "temperature": 0.0, "ignore_eos": true,
         "stream": true, "stream_options": {"include_usage": true},
@@ -63,6 +71,7 @@ async fn one(opts: Arc<BenchOptions>, i: usize) -> RequestResult {
                 }
                 if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
                     r.output_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as usize;
+                    r.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) as usize;
                 }
                 let has_text = v["choices"].get(0).and_then(|c| c["text"].as_str()).is_some_and(|t| !t.is_empty());
                 if has_text {
@@ -109,4 +118,16 @@ pub async fn run(opts: BenchOptions) -> (Vec<RequestResult>, f64) {
         results.push(t.await.unwrap_or_else(|e| RequestResult { error: e.to_string(), ..Default::default() }));
     }
     (results, start.elapsed().as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn prompts_share_exactly_the_prefix() {
+        let (a, b) = (super::prompt(1, 0, 50, 20), super::prompt(1, 1, 50, 20));
+        assert_eq!((a.len(), b.len()), (50, 50));
+        assert_eq!(a[..20], b[..20]);
+        assert_ne!(a[20..], b[20..]);
+        assert_eq!(super::prompt(1, 0, 50, 0), super::prompt(1, 0, 50, 0), "deterministic");
+    }
 }

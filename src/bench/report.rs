@@ -9,6 +9,8 @@ pub struct RequestResult {
     pub error: String,
     pub input_tokens: usize,
     pub output_tokens: usize,
+    /// Prompt tokens the server's prefix cache served (`usage.prompt_tokens_details`).
+    pub cached_tokens: usize,
     pub ttft_s: f64,
     /// Gaps between consecutive streamed chunks after the first.
     pub itl_s: Vec<f64>,
@@ -49,6 +51,7 @@ pub fn build(results: &[RequestResult], duration_s: f64, max_concurrency: usize)
     let itl = ms(ok.iter().flat_map(|r| r.itl_s.iter().copied()).collect());
     let input: usize = ok.iter().map(|r| r.input_tokens).sum();
     let output: usize = ok.iter().map(|r| r.output_tokens).sum();
+    let cached: usize = ok.iter().map(|r| r.cached_tokens).sum();
     let d = duration_s.max(1e-9);
     let json = json!({
         "backend": "kiln",
@@ -58,6 +61,8 @@ pub fn build(results: &[RequestResult], duration_s: f64, max_concurrency: usize)
         "max_concurrency": max_concurrency,
         "total_input_tokens": input,
         "total_output_tokens": output,
+        "total_cached_tokens": cached,
+        "prefix_cache_hit_rate": cached as f64 / input.max(1) as f64,
         "request_throughput": ok.len() as f64 / d,
         "input_throughput": input as f64 / d,
         "output_throughput": output as f64 / d,
@@ -86,6 +91,7 @@ pub fn build(results: &[RequestResult], duration_s: f64, max_concurrency: usize)
     line(&mut t, "Benchmark duration (s):", format!("{duration_s:.2}"));
     line(&mut t, "Total input tokens:", input.to_string());
     line(&mut t, "Total generated tokens:", output.to_string());
+    line(&mut t, "Prefix cache hit rate:", format!("{:.2}% ({cached} tokens)", 100.0 * f("prefix_cache_hit_rate")));
     line(&mut t, "Request throughput (req/s):", format!("{:.2}", f("request_throughput")));
     line(&mut t, "Input token throughput (tok/s):", format!("{:.2}", f("input_throughput")));
     line(&mut t, "Output token throughput (tok/s):", format!("{:.2}", f("output_throughput")));
@@ -124,12 +130,14 @@ mod tests {
 
     #[test]
     fn throughput_and_latencies() {
-        let r = RequestResult { ok: true, input_tokens: 10, output_tokens: 5, ttft_s: 0.1, itl_s: vec![0.05; 4], e2e_s: 0.3, ..Default::default() };
+        let r = RequestResult { ok: true, input_tokens: 10, output_tokens: 5, cached_tokens: 4, ttft_s: 0.1, itl_s: vec![0.05; 4], e2e_s: 0.3, ..Default::default() };
         let rep = build(&[r.clone(), r, RequestResult::default()], 2.0, 4);
         assert_eq!(rep.json["completed"], 2);
         assert_eq!(rep.json["failed"], 1);
         assert_eq!(rep.json["output_throughput"], 5.0);
         assert!((rep.json["mean_tpot_ms"].as_f64().unwrap() - 50.0).abs() < 1e-9);
         assert!(rep.text.contains("Successful requests:"));
+        assert_eq!(rep.json["prefix_cache_hit_rate"], 0.4, "8 of 20 prompt tokens cached");
+        assert!(rep.text.contains("Prefix cache hit rate:                   40.00% (8 tokens)"), "{}", rep.text);
     }
 }

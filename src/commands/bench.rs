@@ -23,6 +23,10 @@ pub struct Args {
     random_input_len: usize,
     #[arg(long, default_value_t = 64)]
     random_output_len: usize,
+    /// Make the first N tokens of every prompt the same (a shared system prompt): the report's
+    /// prefix cache hit rate then shows how much prefill the server saved.
+    #[arg(long, default_value_t = 0)]
+    shared_prefix_len: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Print the result as JSON (SGLang key names) instead of the table.
@@ -43,6 +47,7 @@ pub fn run_cli(a: Args) -> anyhow::Result<()> {
         max_concurrency: a.max_concurrency,
         input_len: a.random_input_len,
         output_len: a.random_output_len,
+        shared_prefix_len: a.shared_prefix_len,
         seed: a.seed,
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
