@@ -86,13 +86,18 @@ fn a_small_kv_pool_preempts_instead_of_refusing() {
         assert_eq!(v["usage"]["completion_tokens"], 300, "{body}");
         assert_eq!(v["choices"][0]["finish_reason"], "length");
     }
-    let (_, metrics) = http(port, "GET", "/metrics", "");
     let value = |name: &str| -> f64 {
+        let (_, metrics) = http(port, "GET", "/metrics", "");
         metrics.lines().find_map(|l| l.strip_prefix(name).and_then(|r| r.trim().parse().ok())).unwrap_or_else(|| panic!("{name} in {metrics}"))
     };
     assert!(value("kiln_preemptions_total ") > 0.0, "6 x ~310 tokens on a 1,024-token pool must preempt");
-    assert_eq!(value("kiln_kv_cache_pages_used "), 0.0);
     assert_eq!(value("kiln_prefix_cache_hit_tokens_total "), 0.0, "the cache is off");
+    // The last response can reach the client just before the engine releases its pages.
+    let t = std::time::Instant::now();
+    while value("kiln_kv_cache_pages_used ") != 0.0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "KV pages leaked");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]
