@@ -346,7 +346,64 @@ fn bad_options_and_artifacts_fail_cleanly() {
     let mut plan = std::fs::read(good.join("plan.bin")).unwrap();
     plan.truncate(plan.len() / 2);
     std::fs::write(art.join("plan.bin"), &plan).unwrap();
-    fails(&["inspect", s(&art)], &["corrupt plan"]);
+    fails(&["inspect", s(&art)], &["corrupt or from another kiln version", "recompile"]);
+}
+
+/// Runs kiln; panics if it died of a signal (an abort on a huge allocation, a crash).
+fn exits(args: &[&str]) -> Output {
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).output().unwrap();
+    assert!(out.status.code().is_some(), "kiln {args:?} died: {:?}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+    out
+}
+
+#[test]
+fn damaged_artifacts_are_refused_by_name_and_never_run() {
+    let good = scratch("damage-good");
+    ok(&["compile", s(tiny()), "--target", "cpu", "-o", s(&good)]);
+    let plan = std::fs::read(good.join("plan.bin")).unwrap();
+    let art = scratch("damage");
+    for f in std::fs::read_dir(&good).unwrap() {
+        let f = f.unwrap().path();
+        if f.is_file() {
+            std::fs::copy(&f, art.join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    // 40 single-bit flips anywhere in plan.bin (header included): every one refused, with the
+    // artifact blamed (never the weights, never kiln), by `inspect` and by `run`.
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    for i in 0..40 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let (byte, bit) = ((x % plan.len() as u64) as usize, (x >> 32) % 8);
+        let mut bad = plan.clone();
+        bad[byte] ^= 1 << bit;
+        std::fs::write(art.join("plan.bin"), &bad).unwrap();
+        let cmd: &[&str] = if i % 8 == 0 { &["run", s(&art), "--prompt", "hi", "--max-tokens", "2"] } else { &["inspect", s(&art)] };
+        let out = exits(cmd);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "flip of bit {bit} of byte {byte} was accepted");
+        assert!(err.contains("recompile") || err.contains("not a kiln plan"), "byte {byte}: {err}");
+        assert!(!err.contains("kiln bug") && !err.contains("weights"), "byte {byte}: {err}");
+    }
+    // A damaged body whose checksum was recomputed (what a checksum cannot catch): decoding is
+    // bounded, so a length turned huge is an error, never an abort on a vast allocation.
+    use sha2::Digest;
+    for byte in (44..plan.len()).step_by(plan.len() / 64 + 1) {
+        let mut bad = plan.clone();
+        bad[byte] = 0xfd;
+        let sum = sha2::Sha256::digest(&bad[44..]);
+        bad[12..44].copy_from_slice(&sum);
+        std::fs::write(art.join("plan.bin"), &bad).unwrap();
+        exits(&["inspect", s(&art)]);
+    }
+    // The files beside plan.bin are checked against the manifest's hashes.
+    std::fs::write(art.join("plan.bin"), &plan).unwrap();
+    let mut tok = std::fs::read(good.join("tokenizer.json")).unwrap();
+    tok[10] ^= 1;
+    std::fs::write(art.join("tokenizer.json"), &tok).unwrap();
+    fails(&["run", s(&art), "--prompt", "hi", "--max-tokens", "2"], &["tokenizer.json", "checksum", "recompile"]);
+    fails(&["logits", s(&art), "--ids", "1,2", "--out", s(&art.join("l.st"))], &["tokenizer.json", "checksum"]);
 }
 
 #[test]

@@ -3,7 +3,7 @@
 
 use crate::error::CompileError;
 use crate::passes::assemble::Cubin;
-use kiln_runtime::plan::{summary::summarize, write_plan, Plan};
+use kiln_runtime::plan::{sha256_hex, summary::summarize, write_plan, Plan, FILES_KEY};
 use std::path::Path;
 
 pub const MANIFEST_FILE: &str = "manifest.json";
@@ -41,11 +41,23 @@ pub fn write_artifact_with(out: &Path, plan: &Plan, cubins: &[Cubin], checkpoint
         }
     }
     write_plan(out, plan).map_err(|e| CompileError::Io { path: out.join("plan.bin"), error: std::io::Error::other(e.to_string()) })?;
+    // Every file beside plan.bin (which carries its own checksum), with its hash: loading
+    // refuses a damaged one by name.
+    let mut files = serde_json::Map::new();
+    for k in &plan.kernels {
+        files.insert(format!("{KERNELS_DIR}/{}.ptx", k.name), sha256_hex(k.ptx.as_bytes()).into());
+    }
+    for c in cubins {
+        files.insert(format!("{KERNELS_DIR}/{}.cubin", c.name), sha256_hex(&c.bytes).into());
+    }
     let mut copied = Vec::new();
     for name in COPIED_FILES {
         let src = checkpoint_dir.join(name);
         if src.is_file() {
-            std::fs::copy(&src, out.join(name)).map_err(CompileError::io(&src))?;
+            let bytes = std::fs::read(&src).map_err(CompileError::io(&src))?;
+            let dst = out.join(name);
+            std::fs::write(&dst, &bytes).map_err(CompileError::io(&dst))?;
+            files.insert(name.to_string(), sha256_hex(&bytes).into());
             copied.push(name.to_string());
         }
     }
@@ -53,6 +65,7 @@ pub fn write_artifact_with(out: &Path, plan: &Plan, cubins: &[Cubin], checkpoint
     let manifest = serde_json::json!({
         "checkpoint_dir": checkpoint.display().to_string(),
         "copied_files": copied,
+        FILES_KEY: files,
         "summary": summarize(plan),
         "model": plan.model,
         "target": plan.target,

@@ -7,7 +7,7 @@ use crate::cpu::{CpuBackend, CpuOptions, Inputs};
 use crate::cuda::CudaBackend;
 use crate::emu_backend::EmuBackend;
 use crate::error::RuntimeError;
-use crate::plan::{read_plan, Plan, ProgramKind};
+use crate::plan::{check_artifact_files, read_plan, Plan, ProgramKind};
 use std::path::{Path, PathBuf};
 
 /// The artifact's manifest, which records the checkpoint it was compiled from.
@@ -135,6 +135,7 @@ pub struct DecodeRow<'a> {
 impl Runner {
     pub fn open(artifact: &Path, weights: Option<&Path>, opts: SessionOptions) -> Result<Runner, RuntimeError> {
         let plan = read_plan(artifact)?;
+        check_artifact_files(artifact)?;
         let dir = weights_dir(artifact, weights)?;
         Runner::load(plan, Some(artifact), &dir, opts)
     }

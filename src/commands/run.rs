@@ -50,6 +50,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let params = SamplingParams { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, seed: a.seed, ..SamplingParams::default() };
     params.validate().map_err(|m| anyhow::anyhow!("sampling: {m}"))?;
+    // Before the tokenizer and template are read: a damaged file is named as such.
+    kiln_runtime::plan::check_artifact_files(&a.artifact)?;
     let tok = Tokenizer::from_dir(&a.artifact)?;
     let text = if a.chat {
         let template = ChatTemplate::from_dir(&a.artifact)?;

@@ -62,6 +62,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     });
     // Check what can be checked before binding the port.
     let plan = read_plan(&a.artifact)?;
+    kiln_runtime::plan::check_artifact_files(&a.artifact)?;
     let weights = weights_dir(&a.artifact, a.weights.as_deref())?;
     let state = AppState::new(name, a.api_key.clone(), a.enable_test_hooks);
     let artifact = a.artifact.clone();

@@ -1,9 +1,20 @@
+//! `plan.bin`: magic, format version (u32 LE), the SHA-256 of the body, then the body (bincode 2).
+//! The checksum is checked before anything is decoded, so a flipped bit is refused instead of
+//! running with different numbers; decoding is also bounded (a corrupt length that slipped
+//! through cannot ask for more memory than a small multiple of the file).
+
 use super::{Plan, FORMAT_VERSION};
+use sha2::{Digest, Sha256};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 pub const PLAN_FILE: &str = "plan.bin";
 const MAGIC: &[u8; 8] = b"KILNPLAN";
+/// Magic, version, checksum.
+const HEADER: usize = 8 + 4 + 32;
+
+/// What every integrity error tells the user to do.
+pub const RECOMPILE: &str = "the artifact is corrupt or from another kiln version: recompile it with `kiln compile`";
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
@@ -16,12 +27,27 @@ pub enum PlanError {
          checkpoint with this kiln (`kiln compile`)"
     )]
     Version { path: PathBuf, found: u32, expected: u32 },
-    #[error("{path}: corrupt plan: {message}")]
+    #[error("{path}: {message}; {RECOMPILE}")]
     Corrupt { path: PathBuf, message: String },
 }
 
 fn bincode_config() -> bincode::config::Configuration {
     bincode::config::standard()
+}
+
+/// Decodes with a cap on what collections may claim: the smallest power of two of at least 64
+/// times the body's length (a decoded plan takes a few times its varint-encoded size).
+fn decode_bounded(body: &[u8]) -> Result<(Plan, usize), bincode::error::DecodeError> {
+    macro_rules! with_limit {
+        ($($bits:literal),*) => {{
+            let need = (body.len() as u64).saturating_mul(64).max(1 << 20);
+            $(if need <= 1u64 << $bits {
+                return bincode::serde::decode_from_slice(body, bincode_config().with_limit::<{ 1usize << $bits }>());
+            })*
+            Err(bincode::error::DecodeError::LimitExceeded)
+        }};
+    }
+    with_limit!(20, 22, 24, 26, 28, 30, 32, 34, 36)
 }
 
 /// Serialise `plan` into `dir/plan.bin`: magic, format version (u32 LE), then bincode 2.
@@ -33,6 +59,7 @@ pub fn write_plan(dir: &Path, plan: &Plan) -> Result<(), PlanError> {
     let mut file = std::fs::File::create(&path).map_err(io)?;
     file.write_all(MAGIC).map_err(io)?;
     file.write_all(&plan.format_version.to_le_bytes()).map_err(io)?;
+    file.write_all(&Sha256::digest(&body)).map_err(io)?;
     file.write_all(&body).map_err(io)?;
     Ok(())
 }
@@ -48,10 +75,19 @@ pub fn read_plan(dir: &Path) -> Result<Plan, PlanError> {
     if found != FORMAT_VERSION {
         return Err(PlanError::Version { path, found, expected: FORMAT_VERSION });
     }
-    let (plan, used): (Plan, usize) = bincode::serde::decode_from_slice(&bytes[12..], bincode_config())
-        .map_err(|e| PlanError::Corrupt { path: path.clone(), message: e.to_string() })?;
-    if used != bytes.len() - 12 {
+    if bytes.len() < HEADER {
+        return Err(PlanError::Corrupt { path, message: format!("{} bytes, shorter than the plan header", bytes.len()) });
+    }
+    let body = &bytes[HEADER..];
+    if Sha256::digest(body)[..] != bytes[12..HEADER] {
+        return Err(PlanError::Corrupt { path, message: "the plan's contents do not match its checksum".into() });
+    }
+    let (plan, used) = decode_bounded(body).map_err(|e| PlanError::Corrupt { path: path.clone(), message: format!("undecodable plan ({e})") })?;
+    if used != body.len() {
         return Err(PlanError::Corrupt { path, message: "trailing bytes after the plan".into() });
+    }
+    if plan.format_version != found {
+        return Err(PlanError::Corrupt { path, message: format!("header says format {found}, the plan {}", plan.format_version) });
     }
     Ok(plan)
 }

@@ -2,6 +2,7 @@
 
 mod config;
 mod dtype;
+mod files;
 mod io;
 mod kernel;
 mod memory;
@@ -13,7 +14,8 @@ mod weights;
 
 pub use config::ModelConfig;
 pub use dtype::DType;
-pub use io::{read_plan, write_plan, PlanError, PLAN_FILE};
+pub use files::{check_artifact_files, sha256_hex, FILES_KEY};
+pub use io::{read_plan, write_plan, PlanError, PLAN_FILE, RECOMPILE};
 pub use kernel::{PtxArch, KernelId, KernelInfo, Launch, LaunchArg, Resources};
 pub use memory::{KvLayout, MemoryPlan};
 pub use op::{AttentionForm, Epilogue, LinearPart, LinearWeights, Op, RouterParams};
@@ -27,7 +29,7 @@ pub use weights::{
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever the serialized layout of [`Plan`] changes; the runtime refuses other versions.
-pub const FORMAT_VERSION: u32 = 5;
+pub const FORMAT_VERSION: u32 = 6;
 
 /// A compiled model for one target: the unit the runtime loads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
