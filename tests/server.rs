@@ -100,6 +100,53 @@ fn a_small_kv_pool_preempts_instead_of_refusing() {
     }
 }
 
+/// Overwrites `tensor`'s data in whichever shard of `ckpt` holds it with NaN (BF16 0x7fc0).
+fn poison(ckpt: &Path, tensor: &str) {
+    for entry in std::fs::read_dir(ckpt).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("safetensors") {
+            continue;
+        }
+        let mut bytes = std::fs::read(&path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        if let Some(t) = header.get(tensor) {
+            assert_eq!(t["dtype"], "BF16");
+            let (a, b) = (t["data_offsets"][0].as_u64().unwrap() as usize, t["data_offsets"][1].as_u64().unwrap() as usize);
+            for v in bytes[8 + n + a..8 + n + b].chunks_exact_mut(2) {
+                v.copy_from_slice(&0x7fc0u16.to_le_bytes());
+            }
+            std::fs::write(&path, bytes).unwrap();
+            return;
+        }
+    }
+    panic!("{tensor} not found in {}", ckpt.display());
+}
+
+/// NaN weights: `kiln run` fails naming NaN and the program; the server answers 500 for the
+/// request and stays healthy.
+#[test]
+fn nan_logits_fail_the_request_not_the_server() {
+    let root = std::env::temp_dir().join(format!("kiln-test-{}-server-nan", std::process::id()));
+    let (ckpt, art) = (root.join("ckpt"), root.join("plan"));
+    assert!(kiln().args(["synth", "tiny", "-o"]).arg(&ckpt).status().unwrap().success());
+    poison(&ckpt, "model.norm.weight");
+    assert!(kiln().arg("compile").arg(&ckpt).args(["--target", "cpu", "-o"]).arg(&art).status().unwrap().success());
+    let out = kiln().arg("run").arg(&art).args(["--prompt", "Hello", "--max-tokens", "4"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("NaN") && err.contains("prefill_") && err.contains("kiln verify"), "{err}");
+    let server = start(&art, &[]);
+    for _ in 0..2 {
+        let (status, body) = http(server.port, "POST", "/v1/completions", "{\"prompt\": \"Hi\", \"max_tokens\": 4}");
+        assert_eq!(status, 500, "{body}");
+        assert!(body.contains("internal_error"), "{body}");
+    }
+    assert_eq!(http(server.port, "GET", "/health", "").0, 200, "one broken request does not take the server down");
+    let (_, metrics) = http(server.port, "GET", "/metrics", "");
+    assert!(metrics.contains("kiln_non_finite_logits_total 2"), "{metrics}");
+}
+
 #[test]
 fn api_key_is_required_on_v1_only() {
     let art = demo_artifact("apikey");

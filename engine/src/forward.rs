@@ -35,6 +35,10 @@ pub trait Forward: Send {
     fn failure(&self) -> Option<String> {
         None
     }
+    /// The plan program the last prefill or decode ran (named in NaN reports).
+    fn last_program(&self) -> Option<String> {
+        None
+    }
 }
 
 /// The runtime's runner is what the engine drives in `kiln serve` and `kiln run`.
@@ -59,6 +63,9 @@ impl Forward for Runner {
     }
     fn failure(&self) -> Option<String> {
         self.backend().failure().map(str::to_string)
+    }
+    fn last_program(&self) -> Option<String> {
+        Runner::last_program(self).map(str::to_string)
     }
     fn prefill(&mut self, pages: &[u32], start: usize, tokens: &[u32]) -> Result<Vec<f32>, String> {
         Runner::prefill(self, pages, start, tokens, LogitRows::Last).map(<[f32]>::to_vec).map_err(|e| e.to_string())

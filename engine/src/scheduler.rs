@@ -38,6 +38,8 @@ pub struct EngineStats {
     pub preemptions: AtomicU64,
     /// Cached pages evicted to make room.
     pub prefix_cache_evictions: AtomicU64,
+    /// Requests failed because their logits held NaN or Inf.
+    pub non_finite: AtomicU64,
     /// Set when the engine thread has ended (including by a panic): nothing will be served.
     pub stopped: std::sync::atomic::AtomicBool,
     /// Set when the backend failed for good (a GPU fault): every request fails, /health is 503.
@@ -293,6 +295,10 @@ impl Engine {
         match result {
             Ok(logits) => {
                 s.cached = end;
+                if end == s.tokens.len() && self.non_finite(i, &logits) {
+                    return;
+                }
+                let s = &mut self.running[i];
                 s.register_full_pages(&mut self.pool);
                 // A resumed sequence's progress is not news to its client.
                 if s.generated() == 0 && !(s.sink)(Event::Prefilled { tokens: end }) {
@@ -379,10 +385,14 @@ impl Engine {
                 Ok(logits) => {
                     for (row, &a) in batch.iter().enumerate() {
                         let i = index(&self.running, a);
+                        let row = &logits[row * vocab..(row + 1) * vocab];
+                        if self.non_finite(i, row) {
+                            continue;
+                        }
                         let s = &mut self.running[i];
                         s.cached += 1;
                         s.register_full_pages(&mut self.pool);
-                        self.next_token(i, &logits[row * vocab..(row + 1) * vocab]);
+                        self.next_token(i, row);
                     }
                 }
                 Err(e) => {
@@ -395,6 +405,22 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// The NaN sentinel: a logits row with NaN or Inf fails its request (naming the program, so
+    /// `kiln verify` can find the step) instead of sampling garbage; the engine goes on.
+    fn non_finite(&mut self, i: usize, logits: &[f32]) -> bool {
+        let Some(bad) = logits.iter().find(|l| !l.is_finite()) else { return false };
+        let what = if bad.is_nan() { "NaN" } else { "Inf" };
+        let program = self.model.last_program().unwrap_or_else(|| "the last program".into());
+        let pos = self.running[i].cached;
+        self.stats.non_finite.fetch_add(1, Ordering::Relaxed);
+        let message = format!(
+            "the model produced {what} logits in program `{program}` (position {pos}); the weights or a kernel are broken: run `kiln verify ART` to find the step"
+        );
+        eprintln!("kiln: {message}");
+        self.fail(i, message);
+        true
     }
 
     /// Records a backend failure in the stats (before the failed requests hear of it, so that

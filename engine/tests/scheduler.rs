@@ -470,3 +470,64 @@ fn constraints_logprobs_and_min_tokens_shape_the_output() {
     r.logprobs = Some(21);
     assert!(matches!(engine.submit(r, sink), Err(Rejected::Invalid(m)) if m.contains("20")));
 }
+
+/// Logits with a NaN whenever the last cached token is 13 (a "broken kernel" on some inputs).
+struct Poisoned(Box<Fake>);
+
+impl Forward for Poisoned {
+    fn vocab_size(&self) -> usize {
+        VOCAB
+    }
+    fn page_size(&self) -> usize {
+        PAGE
+    }
+    fn total_pages(&self) -> usize {
+        self.0.total_pages()
+    }
+    fn max_context(&self) -> usize {
+        64
+    }
+    fn max_decode_batch(&self) -> usize {
+        3
+    }
+    fn max_prefill_chunk(&self) -> usize {
+        5
+    }
+    fn prefill(&mut self, pages: &[u32], start: usize, tokens: &[u32]) -> Result<Vec<f32>, String> {
+        let mut l = self.0.prefill(pages, start, tokens)?;
+        if tokens.last() == Some(&13) {
+            l[3] = f32::NAN;
+        }
+        Ok(l)
+    }
+    fn decode(&mut self, items: &[DecodeItem<'_>]) -> Result<Vec<f32>, String> {
+        let mut l = self.0.decode(items)?;
+        for (row, it) in items.iter().enumerate() {
+            if it.token == 13 {
+                l[row * VOCAB] = f32::INFINITY;
+            }
+        }
+        Ok(l)
+    }
+    fn last_program(&self) -> Option<String> {
+        Some("decode_3".into())
+    }
+}
+
+#[test]
+fn nan_logits_fail_only_their_request_naming_the_program() {
+    let engine = start(Box::new(Poisoned(fake(40))), opts(10));
+    let (sink, bad) = channel_sink();
+    engine.submit(request(vec![1, 2, 13], 5), sink).unwrap();
+    let (sink, good) = channel_sink();
+    let healthy = vec![1, 2, 3];
+    assert!(!reference(&healthy, 5).contains(&13), "the healthy request must not meet the poison");
+    engine.submit(request(healthy.clone(), 5), sink).unwrap();
+    let (toks, _, err) = collect(&bad);
+    let err = err.expect("the poisoned request fails");
+    assert!(toks.is_empty() && err.contains("NaN") && err.contains("decode_3") && err.contains("kiln verify"), "{err}");
+    let (toks, reason, err) = collect(&good);
+    assert_eq!((toks, reason, err), (reference(&healthy, 5), Some(FinishReason::Length), None));
+    assert_eq!(engine.stats.non_finite.load(Ordering::Relaxed), 1);
+    wait_for_zero_pages(&engine);
+}

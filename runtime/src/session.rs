@@ -121,6 +121,8 @@ pub struct Runner {
     backend: Backend,
     inputs: Inputs,
     out: Vec<f32>,
+    /// Index of the program that ran last.
+    last: Option<usize>,
 }
 
 /// One sequence of a decode batch: its pages (in position order), the position of `token`
@@ -158,11 +160,16 @@ impl Runner {
                 Backend::Emu(EmuBackend::new(plan, arenas)?)
             }
         };
-        Ok(Runner { backend, inputs: Inputs::default(), out: Vec::new() })
+        Ok(Runner { backend, inputs: Inputs::default(), out: Vec::new(), last: None })
     }
 
     pub fn plan(&self) -> &Plan {
         self.backend.plan()
+    }
+
+    /// The name of the program that ran last.
+    pub fn last_program(&self) -> Option<&str> {
+        self.last.map(|i| self.plan().programs[i].name.as_str())
     }
 
     pub fn backend(&self) -> &Backend {
@@ -291,6 +298,7 @@ impl Runner {
                 LogitRows::Last if last => inputs.logit_rows[0] = m as i32 - 1,
                 LogitRows::Last => {}
             }
+            self.last = Some(index);
             let logits = self.backend.run(index, &self.inputs)?;
             match rows {
                 LogitRows::All => self.out.extend_from_slice(&logits[..m * vocab]),
@@ -339,6 +347,7 @@ impl Runner {
                 }
                 inputs.logit_rows[row] = row as i32;
             }
+            self.last = Some(index);
             let logits = self.backend.run(index, &self.inputs)?;
             self.out.extend_from_slice(&logits[..group.len() * vocab]);
         }

@@ -81,6 +81,7 @@ impl Metrics {
             metric("kiln_kv_cache_pages_cached", "gauge", "Cached KV pages no request holds (reusable, evicted when needed).", e.kv_pages_cached.load(Ordering::SeqCst) as f64);
             metric("kiln_prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache.", e.prompt_tokens_cached.load(Ordering::Relaxed) as f64);
             metric("kiln_prefix_cache_evictions_total", "counter", "Cached KV pages evicted to make room.", e.prefix_cache_evictions.load(Ordering::Relaxed) as f64);
+            metric("kiln_non_finite_logits_total", "counter", "Requests failed because the model produced NaN or Inf logits.", e.non_finite.load(Ordering::Relaxed) as f64);
             metric("kiln_preemptions_total", "counter", "Running requests preempted to free KV pages (recomputed on resume).", e.preemptions.load(Ordering::Relaxed) as f64);
         }
         metric("kiln_requests_succeeded_total", "counter", "Requests that finished.", self.requests_ok.load(Ordering::Relaxed) as f64);
