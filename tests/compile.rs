@@ -323,6 +323,34 @@ fn bad_checkpoints_fail_with_the_culprit_named() {
     let len = std::fs::metadata(&shard).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&shard).unwrap().set_len(len - 100).unwrap();
     compile_fails(&ckpt, &out, &["model-00002-of-00002.safetensors", "truncated or corrupt", "claims bytes"]);
+
+    // Overlapping data: a later tensor pointed at an earlier one's bytes (same dtype and shape,
+    // so only the overlap is wrong). The header is rewritten in place, padded with spaces.
+    let (ckpt, out) = broken_copy("overlap");
+    let (a, b) = ("model.layers.0.input_layernorm.weight", "model.layers.1.input_layernorm.weight");
+    let shard = shard_of(&ckpt, a);
+    assert_eq!(shard, shard_of(&ckpt, b), "the test needs both in one shard");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Map<String, Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let (oa, ob) = (header[a]["data_offsets"].clone(), header[b]["data_offsets"].clone());
+    let (a, b) = if oa[0].as_u64() < ob[0].as_u64() { (a, b) } else { (b, a) };
+    header.get_mut(b).unwrap()["data_offsets"] = header[a]["data_offsets"].clone();
+    let mut text = serde_json::to_vec(&header).unwrap();
+    assert!(text.len() <= n);
+    text.resize(n, b' ');
+    bytes[8..8 + n].copy_from_slice(&text);
+    std::fs::write(&shard, bytes).unwrap();
+    compile_fails(&ckpt, &out, &[a, b, "overlap"]);
+
+    // A FIFO in place of a shard is refused at once (opening it would wait for a writer forever).
+    let (ckpt, out) = broken_copy("fifo");
+    let shard = ckpt.join("model-00002-of-00002.safetensors");
+    std::fs::remove_file(&shard).unwrap();
+    assert!(Command::new("mkfifo").arg(&shard).status().unwrap().success());
+    let t = std::time::Instant::now();
+    compile_fails(&ckpt, &out, &["model-00002-of-00002.safetensors", "not a regular file"]);
+    assert!(t.elapsed() < std::time::Duration::from_secs(10));
 }
 
 #[test]

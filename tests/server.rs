@@ -100,6 +100,36 @@ fn a_small_kv_pool_preempts_instead_of_refusing() {
     }
 }
 
+/// Sends `request` as is; returns the status and the whole response, headers included.
+fn raw_http(port: u16, request: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    c.write_all(request.as_bytes()).unwrap();
+    let mut out = String::new();
+    c.read_to_string(&mut out).unwrap();
+    let status = out.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, out)
+}
+
+/// GET with `Authorization: Bearer KEY`.
+fn http_auth(port: u16, path: &str, key: &str) -> (u16, String) {
+    raw_http(port, &format!("GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nConnection: close\r\n\r\n"))
+}
+
+#[test]
+fn busy_answers_say_when_to_retry() {
+    let art = demo_artifact("busy");
+    let server = start(&art, &["--max-waiting", "0"]);
+    let body = "{\"prompt\": \"Hi\", \"max_tokens\": 2}";
+    let (status, response) = raw_http(
+        server.port,
+        &format!("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()),
+    );
+    assert_eq!(status, 429, "{response}");
+    assert!(response.to_ascii_lowercase().contains("\r\nretry-after: 1\r\n"), "{response}");
+    assert!(response.contains("rate_limit_error"), "{response}");
+}
+
 /// Overwrites `tensor`'s data in whichever shard of `ckpt` holds it with NaN (BF16 0x7fc0).
 fn poison(ckpt: &Path, tensor: &str) {
     for entry in std::fs::read_dir(ckpt).unwrap() {
@@ -154,6 +184,8 @@ fn api_key_is_required_on_v1_only() {
     let (status, body) = http(server.port, "GET", "/v1/models", "");
     assert_eq!(status, 401, "{body}");
     assert!(body.contains("invalid_api_key"));
+    assert_eq!(http_auth(server.port, "/v1/models", "s3cre").0, 401, "a prefix of the key is not the key");
+    assert_eq!(http_auth(server.port, "/v1/models", "s3cret").0, 200);
     // Health and metrics stay open.
     assert_eq!(http(server.port, "GET", "/metrics", "").0, 200);
 }

@@ -35,6 +35,12 @@ impl TensorHeader {
 pub fn read_header(path: &Path) -> Result<Vec<(String, TensorHeader)>, SafetensorsError> {
     let bad = |message: String| SafetensorsError { path: path.to_path_buf(), message };
     let io = |e: std::io::Error| SafetensorsError { path: path.to_path_buf(), message: e.to_string() };
+    // Opening a FIFO blocks until a writer comes, and a device never ends: check first.
+    let meta = std::fs::metadata(path).map_err(io)?;
+    if !meta.is_file() {
+        let kind = if meta.is_dir() { "a directory" } else { "not a regular file (a FIFO, socket or device)" };
+        return Err(bad(format!("is {kind}; a checkpoint shard must be a regular file")));
+    }
     let mut file = std::fs::File::open(path).map_err(io)?;
     let file_len = file.metadata().map_err(io)?.len();
     let mut len_bytes = [0u8; 8];
@@ -88,9 +94,32 @@ pub fn read_header(path: &Path) -> Result<Vec<(String, TensorHeader)>, Safetenso
                 )));
             }
         }
+        if let Some(dt) = DType::from_safetensors_name(&dtype) {
+            // What a reader that maps the file and views it as `dtype` needs.
+            if (data_base + begin) % dt.size() as u64 != 0 {
+                return Err(bad(format!(
+                    "tensor `{name}`: its {dtype} data starts at byte {} of the file, not a multiple of {} (unaligned)",
+                    data_base + begin,
+                    dt.size()
+                )));
+            }
+        }
         tensors.push((name, TensorHeader { dtype, shape, data_start: data_base + begin, data_end: data_base + end }));
     }
-    tensors.sort_by_key(|(_, t)| t.data_start);
+    tensors.sort_by_key(|(_, t)| (t.data_start, t.data_end));
+    // Two tensors sharing bytes would silently read each other's data.
+    for pair in tensors.windows(2) {
+        let ((a, ta), (b, tb)) = (&pair[0], &pair[1]);
+        if tb.data_start < ta.data_end && tb.data_start < tb.data_end {
+            return Err(bad(format!(
+                "corrupt: tensors `{a}` (bytes {}..{}) and `{b}` (bytes {}..{}) overlap",
+                ta.data_start - data_base,
+                ta.data_end - data_base,
+                tb.data_start - data_base,
+                tb.data_end - data_base
+            )));
+        }
+    }
     Ok(tensors)
 }
 

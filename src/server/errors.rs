@@ -74,6 +74,11 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut r = (self.status, Json(self.body())).into_response();
+        // Busy or loading: tell well-behaved clients (and the openai client) when to come back.
+        if matches!(self.status, StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE) {
+            r.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("1"));
+        }
+        r
     }
 }
