@@ -410,12 +410,12 @@ struct Alternate {
 
 impl TokenConstraint for Alternate {
     fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
-        let allowed = if self.seen % 2 == 0 { self.a } else { self.b };
+        let allowed = if self.seen.is_multiple_of(2) { self.a } else { self.b };
         logits.iter_mut().enumerate().filter(|(i, _)| *i as u32 != allowed).for_each(|(_, l)| *l = f32::NEG_INFINITY);
         Ok(())
     }
     fn commit(&mut self, token: u32) -> Result<(), String> {
-        let allowed = if self.seen % 2 == 0 { self.a } else { self.b };
+        let allowed = if self.seen.is_multiple_of(2) { self.a } else { self.b };
         self.seen += 1;
         if token == allowed { Ok(()) } else { Err(format!("{token} was not allowed")) }
     }

@@ -22,10 +22,8 @@ pub async fn chat_completions(State(state): State<AppState>, Extension(rid): Ext
     let v = parse_body(&body)?;
     let p = parse_common(&v, true)?;
     let loaded = loaded(&state, p.model.as_deref())?;
-    match v.get("messages") {
-        Some(Value::Array(m)) if !m.is_empty() => {}
-        _ => return Err(ApiError::invalid("`messages` must be a non-empty list of messages", Some("messages"))),
-    }
+    super::validate::messages(&v)?;
+    super::validate::tools(&v)?;
     let Some(template) = &loaded.chat_template else {
         return Err(ApiError::invalid("this model has no chat template; use /v1/completions", None));
     };

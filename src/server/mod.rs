@@ -11,6 +11,7 @@ mod params;
 mod sse;
 mod state;
 mod structured;
+mod validate;
 
 pub use errors::ApiError;
 pub use state::{AppState, Loaded};

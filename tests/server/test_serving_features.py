@@ -322,6 +322,23 @@ def test_unsupported_values_are_400s_naming_the_field():
     for extra, param in cases:
         status, body = raw("/v1/chat/completions", {**base, **extra})
         check(f"{extra} -> 400 {param}", status == 400 and body["error"]["param"] == param, (status, body))
+    malformed = [
+        ({"messages": ["hi"]}, "messages"), ({"messages": [{"content": "hi"}]}, "messages"),
+        ({"messages": [{"role": "bot", "content": "hi"}]}, "messages"), ({"messages": [{"role": "user", "content": None}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]}, "messages"),
+        ({"tools": [{"type": "function"}]}, "tools"), ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"), ({"tools": "f"}, "tools"),
+    ]
+    for extra, param in malformed:
+        status, body = raw("/v1/chat/completions", {**base, **extra})
+        check(f"malformed {extra} -> 400 {param}", status == 400 and body["error"]["param"] == param, (status, body))
+    ok_msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "q"}]},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    status, body = raw("/v1/chat/completions", {**base, "messages": ok_msgs, "tools": [WEATHER]})
+    check("a well-formed tool round trip is accepted", status == 200, (status, body))
     for extra, param in (({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"logprobs": 21}, "logprobs")):
         status, body = raw("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, **extra})
         check(f"completions {extra} -> 400 {param}", status == 400 and body["error"]["param"] == param, (status, body))
