@@ -47,6 +47,16 @@ fn http_basics_and_the_openai_client() {
     let (status, body) = http(port, "GET", "/nope", "");
     assert_eq!(status, 404);
     assert!(body.contains("\"error\""), "{body}");
+    // Errors axum raises itself are OpenAI-shaped too.
+    let (status, body) = http(port, "GET", "/v1/completions", "");
+    assert_eq!(status, 405, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    let huge = format!("{{\"prompt\": \"{}\"}}", "x".repeat(3 << 20));
+    let (status, body) = http(port, "POST", "/v1/completions", &huge);
+    assert_eq!(status, 413, "{}", &body[..body.len().min(200)]);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    assert!(v["error"]["message"].as_str().is_some(), "{body}");
     let (status, body) = http(port, "POST", "/v1/completions", "{\"prompt\": \"Hi\", \"max_tokens\": 4, \"temperature\": 0}");
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("\"text_completion\""), "{body}");
@@ -118,16 +128,28 @@ fn http_auth(port: u16, path: &str, key: &str) -> (u16, String) {
 
 #[test]
 fn busy_answers_say_when_to_retry() {
-    let art = demo_artifact("busy");
+    // One decode slot and no queue: a second request while the first runs is a 429.
+    let root = std::env::temp_dir().join(format!("kiln-test-{}-server-busy", std::process::id()));
+    let (ckpt, art) = (root.join("ckpt"), root.join("plan"));
+    assert!(kiln().args(["synth", "tiny", "-o"]).arg(&ckpt).status().unwrap().success());
+    assert!(kiln().arg("compile").arg(&ckpt).args(["--target", "cpu", "--decode-batches", "1", "-o"]).arg(&art).status().unwrap().success());
     let server = start(&art, &["--max-waiting", "0"]);
+    let port = server.port;
+    let long = std::thread::spawn(move || http(port, "POST", "/v1/completions", "{\"prompt\": \"Hi\", \"max_tokens\": 900, \"ignore_eos\": true}"));
+    let t = std::time::Instant::now();
+    while !http(port, "GET", "/metrics", "").1.contains("kiln_requests_running 1") {
+        assert!(t.elapsed() < Duration::from_secs(30), "the first request never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let body = "{\"prompt\": \"Hi\", \"max_tokens\": 2}";
     let (status, response) = raw_http(
-        server.port,
+        port,
         &format!("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()),
     );
     assert_eq!(status, 429, "{response}");
     assert!(response.to_ascii_lowercase().contains("\r\nretry-after: 1\r\n"), "{response}");
     assert!(response.contains("rate_limit_error"), "{response}");
+    assert_eq!(long.join().unwrap().0, 200);
 }
 
 /// Overwrites `tensor`'s data in whichever shard of `ckpt` holds it with NaN (BF16 0x7fc0).

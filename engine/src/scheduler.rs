@@ -132,8 +132,11 @@ impl EngineHandle {
         if let Some(f) = self.stats.failure() {
             return Err(Rejected::Failed(f));
         }
+        // Requests a free decode slot will take at the next iteration are not waiting for
+        // anything: only the ones beyond the free slots count against the queue.
         let waiting = self.stats.waiting.load(Ordering::SeqCst);
-        if waiting >= self.max_waiting {
+        let free_slots = l.max_decode_batch.saturating_sub(self.stats.running.load(Ordering::SeqCst));
+        if waiting >= self.max_waiting + free_slots {
             return Err(Rejected::QueueFull { waiting });
         }
         self.stats.waiting.fetch_add(1, Ordering::SeqCst);

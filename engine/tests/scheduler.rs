@@ -239,9 +239,47 @@ fn stop_tokens_and_rejections() {
     let (toks, reason, _) = collect(&rx);
     assert_eq!((toks, reason), (vec![7, 8, 9], Some(FinishReason::Stop)));
 
-    let full = start(fake(8), opts(0));
+    // No queue at all: free decode slots (3) still take requests; past them, 429.
+    let full = start(Box::new(Slow(fake(40))), opts(0));
+    let mut keep = Vec::new();
+    for _ in 0..3 {
+        let (sink, rx) = channel_sink();
+        full.submit(request(vec![1], 40), sink).expect("a free decode slot takes it");
+        keep.push(rx);
+    }
     let (sink, _rx) = channel_sink();
     assert!(matches!(full.submit(request(vec![1], 2), sink), Err(Rejected::QueueFull { .. })));
+}
+
+/// A fake whose every decode step takes 20 ms, so requests stay running while a test looks.
+struct Slow(Box<Fake>);
+
+impl Forward for Slow {
+    fn vocab_size(&self) -> usize {
+        VOCAB
+    }
+    fn page_size(&self) -> usize {
+        PAGE
+    }
+    fn total_pages(&self) -> usize {
+        self.0.total_pages()
+    }
+    fn max_context(&self) -> usize {
+        64
+    }
+    fn max_decode_batch(&self) -> usize {
+        3
+    }
+    fn max_prefill_chunk(&self) -> usize {
+        5
+    }
+    fn prefill(&mut self, pages: &[u32], start: usize, tokens: &[u32]) -> Result<Vec<f32>, String> {
+        self.0.prefill(pages, start, tokens)
+    }
+    fn decode(&mut self, items: &[DecodeItem<'_>]) -> Result<Vec<f32>, String> {
+        std::thread::sleep(Duration::from_millis(20));
+        self.0.decode(items)
+    }
 }
 
 /// A backend that dies: the engine reports itself stopped and no client hangs.

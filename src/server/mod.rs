@@ -40,6 +40,7 @@ pub fn router(state: AppState) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(|req: Request| async move { ApiError::not_found(req.uri().path()) })
+        .layer(middleware::from_fn(openai_error_shape))
         .layer(middleware::from_fn_with_state(state.clone(), request_id))
         .with_state(state)
 }
@@ -58,6 +59,22 @@ async fn request_id(State(state): State<AppState>, mut req: Request, next: Next)
         resp.headers_mut().insert("x-request-id", v);
     }
     resp
+}
+
+/// Errors axum produces itself (405 wrong method, 413 body too large, 415 no JSON content type,
+/// ...) come as plain text: rewrap them in the OpenAI error shape clients parse.
+async fn openai_error_shape(req: Request, next: Next) -> Response {
+    let resp = next.run(req).await;
+    let status = resp.status();
+    let is_json = resp.headers().get("content-type").and_then(|v| v.to_str().ok()).is_some_and(|c| c.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return resp;
+    }
+    let text = axum::body::to_bytes(resp.into_body(), 64 * 1024).await.map(|b| String::from_utf8_lossy(&b).trim().to_string()).unwrap_or_default();
+    let message = if text.is_empty() { status.canonical_reason().unwrap_or("error").to_string() } else { text };
+    let kind = if status.is_client_error() { "invalid_request_error" } else { "internal_error" };
+    let body = json!({"error": {"message": message, "type": kind, "param": null, "code": status.as_u16()}});
+    (status, Json(body)).into_response()
 }
 
 async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
