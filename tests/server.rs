@@ -61,6 +61,19 @@ fn http_basics_and_the_openai_client() {
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("\"text_completion\""), "{body}");
 
+    // Huge prompts are refused by their byte length, before tokenising, and never stall /health.
+    let huge = format!("{{\"prompt\": \"{}\", \"max_tokens\": 4}}", "word ".repeat(380_000));
+    let t = std::time::Instant::now();
+    let senders: Vec<_> = (0..4).map(|_| { let h = huge.clone(); std::thread::spawn(move || http(port, "POST", "/v1/completions", &h)) }).collect();
+    let health = http(port, "GET", "/health", "");
+    for s in senders {
+        let (status, body) = s.join().unwrap();
+        assert_eq!(status, 400, "{}", &body[..body.len().min(300)]);
+        assert!(body.contains("context_length_exceeded"), "{body}");
+    }
+    assert_eq!(health.0, 200);
+    assert!(t.elapsed() < Duration::from_secs(4), "4 huge prompts took {:?}", t.elapsed());
+
     // The official client (CI installs it; see .ci/run).
     openai_client_suite(port, "CPU backend");
 }

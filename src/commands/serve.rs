@@ -99,7 +99,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             l.max_context,
             if options.prefix_cache { "on" } else { "off" }
         );
-        Ok(Loaded { engine, tokenizer, chat_template, eos_ids, constraints })
+        let max_token_bytes = (0..tokenizer.inner().get_vocab_size(true) as u32).map(|id| tokenizer.token_bytes(id).len()).max().unwrap_or(1);
+        Ok(Loaded { engine, tokenizer, chat_template, eos_ids, constraints, max_token_bytes })
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(serve(state, addr, load))

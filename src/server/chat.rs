@@ -33,7 +33,7 @@ pub async fn chat_completions(State(state): State<AppState>, Extension(rid): Ext
         ChatTemplateError::Raised(_) | ChatTemplateError::Render { .. } => ApiError::invalid(format!("cannot render the chat: {e}"), Some("messages")),
         other => ApiError::internal(&rid.0, other),
     })?;
-    let prompt = loaded.tokenizer.encode(&prompt_text).map_err(|e| ApiError::internal(&rid.0, e))?;
+    let prompt = loaded.encode(prompt_text, "messages").await?;
     let all_tools: Vec<Value> = match v.get("tools") {
         None | Some(Value::Null) => vec![],
         Some(Value::Array(t)) => t.clone(),

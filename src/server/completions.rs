@@ -20,10 +20,8 @@ pub async fn completions(State(state): State<AppState>, Extension(rid): Extensio
     let p = parse_common(&v, false)?;
     let loaded = loaded(&state, p.model.as_deref())?;
     let prompt = match v.get("prompt") {
-        Some(Value::String(s)) => loaded.tokenizer.encode(s).map_err(|e| ApiError::invalid(e.to_string(), Some("prompt")))?,
-        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
-            loaded.tokenizer.encode(items[0].as_str().unwrap_or_default()).map_err(|e| ApiError::invalid(e.to_string(), Some("prompt")))?
-        }
+        Some(Value::String(s)) => loaded.encode(s.clone(), "prompt").await?,
+        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => loaded.encode(items[0].as_str().unwrap_or_default().to_string(), "prompt").await?,
         Some(Value::Array(items)) if items.iter().all(|i| i.is_u64()) => items
             .iter()
             .map(|i| u32::try_from(i.as_u64().unwrap_or(u64::MAX)).map_err(|_| ApiError::invalid(format!("token id {i} is out of range"), Some("prompt"))))

@@ -5,6 +5,7 @@ use kiln_engine::chat_template::ChatTemplate;
 use kiln_engine::constraint::ConstraintCompiler;
 use kiln_engine::scheduler::EngineHandle;
 use kiln_engine::tokenizer::Tokenizer;
+use super::errors::ApiError;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -19,6 +20,28 @@ pub struct Loaded {
     /// Compiles `response_format` / forced `tool_choice` grammars (None: the tokenizer could
     /// not be prepared; those requests get a 400 saying so).
     pub constraints: Option<Arc<ConstraintCompiler>>,
+    /// The longest token's length in bytes: a text longer than this times the context cannot
+    /// fit, whatever it tokenises to (refused before tokenising it).
+    pub max_token_bytes: usize,
+}
+
+impl Loaded {
+    /// Tokenises `text` on a blocking thread (a long prompt must not stall the async workers
+    /// that answer `/health` and stream other requests), after refusing text too long to fit.
+    pub async fn encode(self: &Arc<Self>, text: String, param: &'static str) -> Result<Vec<u32>, ApiError> {
+        let context = self.engine.limits.max_context;
+        if text.len() > context.saturating_mul(self.max_token_bytes.max(1)) {
+            return Err(ApiError::context_length(
+                format!("This model's maximum context length is {context} tokens; the {param} has {} bytes, more than that many tokens can hold", text.len()),
+                param,
+            ));
+        }
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.tokenizer.encode(&text))
+            .await
+            .map_err(|e| ApiError::invalid(format!("tokenising failed: {e}"), Some(param)))?
+            .map_err(|e| ApiError::invalid(e.to_string(), Some(param)))
+    }
 }
 
 pub struct Inner {
