@@ -212,6 +212,64 @@ fn nan_logits_fail_the_request_not_the_server() {
     assert!(metrics.contains("kiln_non_finite_logits_total 2"), "{metrics}");
 }
 
+/// Slow and idle clients are cut after --http-timeout; past --max-connections a new connection
+/// gets a 503 at once; neither slows /health.
+#[test]
+fn slow_idle_and_excess_connections_are_bounded() {
+    use std::io::{Read, Write};
+    let art = demo_artifact("edge");
+    let server = start(&art, &["--http-timeout", "2", "--max-connections", "300"]);
+    let port = server.port;
+    // A request head trickled one byte every 300 ms: cut after ~2 s, not kept forever.
+    let mut slow = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    slow.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+    let t = std::time::Instant::now();
+    let head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    let mut closed = false;
+    for b in head.iter() {
+        if slow.write_all(&[*b]).is_err() {
+            closed = true;
+            break;
+        }
+        let mut buf = [0u8; 256];
+        match slow.read(&mut buf) {
+            Ok(0) => {
+                closed = true;
+                break;
+            }
+            Ok(_) => {
+                closed = true; // an error response, then the close
+                break;
+            }
+            Err(_) => {} // nothing yet: keep trickling
+        }
+    }
+    assert!(closed && t.elapsed() < Duration::from_secs(10), "the trickling client was kept {:?}", t.elapsed());
+    // 280 idle connections: /health still answers at once.
+    let idle: Vec<_> = (0..280).map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let t = std::time::Instant::now();
+    assert_eq!(http(port, "GET", "/health", "").0, 200);
+    assert!(t.elapsed() < Duration::from_secs(1), "/health took {:?}", t.elapsed());
+    // Past the cap: an OpenAI-shaped 503 with Retry-After.
+    let more: Vec<_> = (0..30).map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let (status, body) = http(port, "GET", "/health", "");
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("too many open connections"), "{body}");
+    // Idle connections are closed by the server after the timeout, and the slots come back.
+    std::thread::sleep(Duration::from_secs(3));
+    let mut first = &idle[0];
+    first.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    assert!(matches!(first.read(&mut [0u8; 64]), Ok(0)), "an idle connection was kept open past --http-timeout");
+    drop((idle, more));
+    let t = std::time::Instant::now();
+    while http(port, "GET", "/health", "").0 != 200 {
+        assert!(t.elapsed() < Duration::from_secs(10), "connection slots never came back");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 #[test]
 fn api_key_is_required_on_v1_only() {
     let art = demo_artifact("apikey");

@@ -1,4 +1,4 @@
-use crate::server::{serve, AppState, Loaded};
+use crate::server::{serve, AppState, EdgeLimits, Loaded};
 use kiln_runtime::session::{Runner, SessionOptions};
 use kiln_engine::chat_template::ChatTemplate;
 use kiln_engine::constraint::ConstraintCompiler;
@@ -49,6 +49,13 @@ pub struct Args {
     /// (automatic prefix caching is on by default).
     #[arg(long)]
     disable_prefix_cache: bool,
+    /// Seconds a client has to send a request head; also how long an idle keep-alive connection
+    /// stays open. A slow or idle client is disconnected after it.
+    #[arg(long, default_value_t = 30)]
+    http_timeout: u64,
+    /// Open connections served at once; past it a new connection gets a 503 and is closed.
+    #[arg(long, default_value_t = 4096)]
+    max_connections: usize,
     /// Accept `kiln_forced_output` in requests (tests only: forces the generated text).
     #[arg(long, hide = true)]
     enable_test_hooks: bool,
@@ -103,5 +110,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Ok(Loaded { engine, tokenizer, chat_template, eos_ids, constraints, max_token_bytes })
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    rt.block_on(serve(state, addr, load))
+    if a.http_timeout == 0 || a.max_connections == 0 {
+        anyhow::bail!("--http-timeout and --max-connections must be at least 1");
+    }
+    let edge = EdgeLimits { timeout: std::time::Duration::from_secs(a.http_timeout), max_connections: a.max_connections };
+    rt.block_on(serve(state, addr, edge, load))
 }

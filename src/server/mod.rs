@@ -5,6 +5,7 @@ mod chat;
 mod completions;
 mod errors;
 mod generation;
+mod listener;
 mod logprobs;
 mod metrics;
 mod params;
@@ -14,6 +15,7 @@ mod structured;
 mod validate;
 
 pub use errors::ApiError;
+pub use listener::EdgeLimits;
 pub use state::{AppState, Loaded};
 
 use axum::extract::{Request, State};
@@ -134,7 +136,12 @@ async fn metrics(State(state): State<AppState>) -> Response {
 
 /// Binds, then loads the model with `load` in the background (health answers 503 meanwhile),
 /// then serves until the process is stopped.
-pub async fn serve(state: AppState, addr: std::net::SocketAddr, load: impl FnOnce() -> anyhow::Result<Loaded> + Send + 'static) -> anyhow::Result<()> {
+pub async fn serve(
+    state: AppState,
+    addr: std::net::SocketAddr,
+    edge: EdgeLimits,
+    load: impl FnOnce() -> anyhow::Result<Loaded> + Send + 'static,
+) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
     eprintln!("kiln serve: listening on http://{addr} (model `{}` loading)", state.served_model);
     let loading = state.clone();
@@ -145,7 +152,7 @@ pub async fn serve(state: AppState, addr: std::net::SocketAddr, load: impl FnOnc
         eprintln!("kiln serve: model loaded in {:.2}s; ready", t.elapsed().as_secs_f64());
         anyhow::Ok(())
     });
-    let server = tokio::spawn(async move { axum::serve(listener, router(state)).await });
+    let server = tokio::spawn(listener::serve(listener, router(state), edge));
     match loader.await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => return Err(e.context("loading the model")),
