@@ -373,53 +373,10 @@ fn json_value_schema(schema: &Value, root: &Value) -> Value {
     Value::Object(out)
 }
 
-/// Whether the tool-call parser keeps this parameter's value as raw text: the JSON types its
-/// schema allows (through `$ref`, `anyOf`/`oneOf`/`allOf` and, untyped, `enum`/`const`) are
-/// `string` and maybe `null`. Mirrors tool_calls.rs `arg_types`/`string_only`; the round-trip
-/// tests below hold the two together.
+/// Whether the tool-call parser keeps this parameter's value as raw text (its own rule, so the
+/// grammar and the parser can never disagree).
 fn is_raw_string(schema: &Value, root: &Value) -> bool {
-    fn collect(schema: &Value, root: &Value, depth: usize, out: &mut Vec<String>) {
-        if depth > 16 {
-            return;
-        }
-        let mut push = |t: &str| {
-            if !out.iter().any(|x| x == t) {
-                out.push(t.to_string());
-            }
-        };
-        match schema.get("type") {
-            Some(Value::String(t)) => push(t),
-            Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).for_each(&mut push),
-            _ => {
-                let values = schema.get("enum").and_then(Value::as_array).into_iter().flatten();
-                values.chain(schema.get("const")).for_each(|v| push(json_type(v)));
-            }
-        }
-        if let Some(target) = resolve(schema, root) {
-            collect(target, root, depth + 1, out);
-        }
-        for combinator in ["anyOf", "oneOf", "allOf"] {
-            for sub in schema.get(combinator).and_then(Value::as_array).into_iter().flatten() {
-                collect(sub, root, depth + 1, out);
-            }
-        }
-    }
-    let mut types = Vec::new();
-    collect(schema, root, 0, &mut types);
-    let mut non_null = types.iter().filter(|t| *t != "null").peekable();
-    non_null.peek().is_some() && non_null.all(|t| t == "string")
-}
-
-fn json_type(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "boolean",
-        Value::Number(n) if n.is_f64() => "number",
-        Value::Number(_) => "integer",
-        Value::String(_) => "string",
-        Value::Array(_) => "array",
-        Value::Object(_) => "object",
-    }
+    crate::tool_calls::keeps_raw_text(schema, root)
 }
 
 /// The target of a local `$ref` (`#/…`).

@@ -466,6 +466,14 @@ fn json_type(v: &Value) -> &'static str {
     }
 }
 
+/// Whether a parameter with `schema` (inside the tool's `root` parameters, for `$ref`) is kept
+/// as raw text: the constrained-decoding grammar writes such values raw too.
+pub(crate) fn keeps_raw_text(schema: &Value, root: &Value) -> bool {
+    let mut types = Vec::new();
+    collect_types(schema, root, 0, &mut types);
+    string_only(&types)
+}
+
 /// Only `string` (and maybe `null`): the text is the value, never parsed.
 fn string_only(types: &[String]) -> bool {
     let mut non_null = types.iter().filter(|t| *t != "null").peekable();

@@ -7,7 +7,7 @@ use crate::cpu::{CpuBackend, CpuOptions, Inputs};
 use crate::cuda::CudaBackend;
 use crate::emu_backend::EmuBackend;
 use crate::error::RuntimeError;
-use crate::plan::{check_artifact_files, read_plan, Plan, ProgramKind};
+use crate::plan::{read_artifact, Plan, ProgramKind};
 use std::path::{Path, PathBuf};
 
 /// The artifact's manifest, which records the checkpoint it was compiled from.
@@ -136,8 +136,12 @@ pub struct DecodeRow<'a> {
 
 impl Runner {
     pub fn open(artifact: &Path, weights: Option<&Path>, opts: SessionOptions) -> Result<Runner, RuntimeError> {
-        let plan = read_plan(artifact)?;
-        check_artifact_files(artifact)?;
+        Runner::open_plan(read_artifact(artifact)?, artifact, weights, opts)
+    }
+
+    /// [`Runner::open`] for a plan the caller already read from `artifact` with
+    /// [`read_artifact`] (the artifact still holds the kernels' cubins).
+    pub fn open_plan(plan: Plan, artifact: &Path, weights: Option<&Path>, opts: SessionOptions) -> Result<Runner, RuntimeError> {
         let dir = weights_dir(artifact, weights)?;
         Runner::load(plan, Some(artifact), &dir, opts)
     }

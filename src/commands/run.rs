@@ -51,7 +51,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let params = SamplingParams { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, seed: a.seed, ..SamplingParams::default() };
     params.validate().map_err(|m| anyhow::anyhow!("sampling: {m}"))?;
     // Before the tokenizer and template are read: a damaged file is named as such.
-    kiln_runtime::plan::check_artifact_files(&a.artifact)?;
+    let plan = kiln_runtime::plan::read_artifact(&a.artifact)?;
     let tok = Tokenizer::from_dir(&a.artifact)?;
     let text = if a.chat {
         let template = ChatTemplate::from_dir(&a.artifact)?;
@@ -61,7 +61,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.prompt.clone()
     };
     let prompt = tok.encode(&text)?;
-    let model = Runner::open(&a.artifact, a.weights.as_deref(), SessionOptions { progress: true, backend, ..SessionOptions::default() })?;
+    let model = Runner::open_plan(plan, &a.artifact, a.weights.as_deref(), SessionOptions { progress: true, backend, ..SessionOptions::default() })?;
     let eos = model.plan().model.eos_token_ids.clone();
     let limit = Forward::max_context(&model);
     if prompt.len() + a.max_tokens > limit {

@@ -4,7 +4,7 @@ use kiln_engine::chat_template::ChatTemplate;
 use kiln_engine::constraint::ConstraintCompiler;
 use kiln_engine::scheduler;
 use kiln_engine::tokenizer::Tokenizer;
-use kiln_runtime::plan::read_plan;
+use kiln_runtime::plan::read_artifact;
 use kiln_runtime::session::weights_dir;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -68,8 +68,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         std::fs::canonicalize(&a.artifact).ok().and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_else(|| "kiln".into())
     });
     // Check what can be checked before binding the port.
-    let plan = read_plan(&a.artifact)?;
-    kiln_runtime::plan::check_artifact_files(&a.artifact)?;
+    let plan = read_artifact(&a.artifact)?;
     let weights = weights_dir(&a.artifact, a.weights.as_deref())?;
     let state = AppState::new(name, a.api_key.clone(), a.enable_test_hooks);
     let artifact = a.artifact.clone();
@@ -87,8 +86,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
         };
         let eos_ids = plan.model.eos_token_ids.clone();
-        let forward = Runner::open(&artifact, Some(&weights), SessionOptions { progress: true, backend, ..SessionOptions::default() })?;
         let vocab = plan.model.vocab_size;
+        let forward = Runner::open_plan(plan, &artifact, Some(&weights), SessionOptions { progress: true, backend, ..SessionOptions::default() })?;
         let constraints = match ConstraintCompiler::new(&tokenizer, vocab, &eos_ids) {
             Ok(c) => Some(Arc::new(c)),
             Err(e) => {

@@ -45,22 +45,7 @@ pub async fn chat_completions(State(state): State<AppState>, Extension(rid): Ext
     let tools: Option<Vec<Value>> = (!all_tools.is_empty() && !tool_choice_none).then_some(all_tools);
     let forced = forced_tokens(&state, &loaded, p.forced_output.as_deref())?;
     let n = p.n;
-    let spec = GenerationSpec {
-        prompt,
-        prompt_param: "messages",
-        max_tokens: p.max_tokens,
-        sampling: p.sampling,
-        stop: p.stop,
-        stop_token_ids: p.stop_token_ids,
-        ignore_eos: p.ignore_eos,
-        min_tokens: p.min_tokens,
-        logprobs: p.logprobs,
-        tokens_as_ids: p.tokens_as_ids,
-        structure,
-        thinking,
-        n,
-        forced,
-    };
+    let spec = GenerationSpec::new(&p, prompt, "messages", structure, thinking, forced);
     let mut pieces = start(&state, loaded, spec, &rid.0)?;
     let mut choices: Vec<ChoiceState> = (0..n).map(|_| ChoiceState::new(thinking, tools.as_deref())).collect();
     let with_logprobs = p.logprobs.is_some();

@@ -38,22 +38,7 @@ pub async fn completions(State(state): State<AppState>, Extension(rid): Extensio
         ResponseFormat::Text => Structure::Free,
         f => Structure::Json(f.clone()),
     };
-    let spec = GenerationSpec {
-        prompt,
-        prompt_param: "prompt",
-        max_tokens: p.max_tokens,
-        sampling: p.sampling,
-        stop: p.stop,
-        stop_token_ids: p.stop_token_ids,
-        ignore_eos: p.ignore_eos,
-        min_tokens: p.min_tokens,
-        logprobs: p.logprobs,
-        tokens_as_ids: p.tokens_as_ids,
-        structure,
-        thinking: false,
-        n,
-        forced,
-    };
+    let spec = GenerationSpec::new(&p, prompt, "prompt", structure, false, forced);
     let mut pieces = start(&state, loaded, spec, &rid.0)?;
     let with_logprobs = p.logprobs.is_some();
     let id = state.new_id("cmpl");

@@ -5,6 +5,7 @@
 
 use super::errors::ApiError;
 use super::logprobs::TokenInfo;
+use super::params::CommonParams;
 use super::state::Loaded;
 use super::structured::{constraint, Structure};
 use super::AppState;
@@ -74,6 +75,28 @@ pub struct GenerationSpec {
     pub n: usize,
     /// Test hook (`--enable-test-hooks`): output tokens to force instead of sampling.
     pub forced: Option<Vec<u32>>,
+}
+
+impl GenerationSpec {
+    /// The spec of a request whose common fields are `p`.
+    pub fn new(p: &CommonParams, prompt: Vec<u32>, prompt_param: &'static str, structure: Structure, thinking: bool, forced: Option<Vec<u32>>) -> Self {
+        GenerationSpec {
+            prompt,
+            prompt_param,
+            max_tokens: p.max_tokens,
+            sampling: p.sampling,
+            stop: p.stop.clone(),
+            stop_token_ids: p.stop_token_ids.clone(),
+            ignore_eos: p.ignore_eos,
+            min_tokens: p.min_tokens,
+            logprobs: p.logprobs,
+            tokens_as_ids: p.tokens_as_ids,
+            structure,
+            thinking,
+            n: p.n,
+            forced,
+        }
+    }
 }
 
 /// The pieces of every choice, tagged with the choice's index.

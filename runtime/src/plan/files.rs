@@ -37,3 +37,10 @@ pub fn check_artifact_files(dir: &Path) -> Result<(), PlanError> {
     }
     Ok(())
 }
+
+/// `dir/plan.bin` and every file its manifest lists, all checked: what loading an artifact reads.
+pub fn read_artifact(dir: &Path) -> Result<super::Plan, PlanError> {
+    let plan = super::read_plan(dir)?;
+    check_artifact_files(dir)?;
+    Ok(plan)
+}
