@@ -99,7 +99,12 @@ fn eight_unbounded_requests_on_a_small_pool_are_preempted_and_finish_unchanged()
         let preemptions = small.stats.preemptions.load(Ordering::Relaxed);
         eprintln!("prefix cache {prefix_cache}: {preemptions} preemptions");
         assert!(preemptions >= 4, "8 x 1,024 tokens on a 2,048-token pool must preempt, got {preemptions}");
-        assert_eq!(small.stats.kv_pages_used.load(Ordering::SeqCst), 0, "every page is given back");
+        // The last Finished event can arrive just before the engine releases that sequence.
+        let t = std::time::Instant::now();
+        while small.stats.kv_pages_used.load(Ordering::SeqCst) != 0 {
+            assert!(t.elapsed() < Duration::from_secs(10), "KV pages were not given back");
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 }
 
