@@ -39,6 +39,7 @@ enum Command {
     Serve(commands::serve::Args),
     Bench(commands::bench::Args),
     Verify(commands::verify::Args),
+    VerifyWeights(commands::verify_weights::Args),
     Emu(commands::emu::Args),
     Doctor(commands::doctor::Args),
 }
@@ -55,6 +56,7 @@ fn main() -> ExitCode {
         Command::Logits(a) => commands::logits::run(a),
         Command::Synth(a) => commands::synth::run(a),
         Command::Verify(a) => commands::verify::run(a),
+        Command::VerifyWeights(a) => commands::verify_weights::run(a),
         Command::Doctor(a) => commands::doctor::run(a),
     };
     match result {

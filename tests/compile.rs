@@ -434,6 +434,70 @@ fn damaged_artifacts_are_refused_by_name_and_never_run() {
     fails(&["logits", s(&art), "--ids", "1,2", "--out", s(&art.join("l.st"))], &["tokenizer.json", "checksum"]);
 }
 
+/// Overwrites the first bytes of `tensor`'s data in `ckpt` (whichever shard holds it).
+fn overwrite_tensor(ckpt: &Path, tensor: &str, bytes: &[u8]) {
+    let path = shard_of(ckpt, tensor);
+    let headers = read_header(&path).unwrap();
+    let (_, h) = headers.iter().find(|(n, _)| n == tensor).unwrap();
+    let mut file = std::fs::read(&path).unwrap();
+    let at = h.data_start as usize;
+    file[at..at + bytes.len()].copy_from_slice(bytes);
+    std::fs::remove_file(&path).unwrap(); // the copy may be a hard link of the shared checkpoint
+    std::fs::write(&path, file).unwrap();
+}
+
+/// `kiln verify-weights` and `--check-weights`: NaN/Inf named per dtype, edited bytes caught by
+/// the hashes `compile --hash-weights` records, and a clean checkpoint passes.
+#[test]
+fn damaged_weights_are_found_by_verify_weights() {
+    let (ckpt, art) = broken_copy("verify-weights");
+    let o = ok(&["compile", s(&ckpt), "--target", "cpu", "--hash-weights", "-o", s(&art)]);
+    assert!(stderr(&o).contains("recorded the SHA-256 of"), "{}", stderr(&o));
+    let manifest: Value = serde_json::from_str(&std::fs::read_to_string(art.join("manifest.json")).unwrap()).unwrap();
+    assert!(manifest["files"]["weights.sha256.json"].is_string(), "the hashes are covered by the manifest");
+    let o = ok(&["verify-weights", s(&art)]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("no NaN or Inf") && out.contains("matches the SHA-256"), "{out}");
+
+    // One NaN (BF16), one Inf (F32), a NaN block scale (FP8 E4M3): each named with its count.
+    overwrite_tensor(&ckpt, "model.layers.3.input_layernorm.weight", &[0x00, 0x00, 0xc1, 0x7f]);
+    overwrite_tensor(&ckpt, "model.layers.3.mlp.gate.e_score_correction_bias", &f32::INFINITY.to_le_bytes());
+    overwrite_tensor(&ckpt, "model.layers.0.mlp.gate_proj.weight_scale", &[0x10, 0x7f]);
+    let err = fails(
+        &["verify-weights", s(&art)],
+        &[
+            "`model.layers.3.input_layernorm.weight`",
+            "1 NaN and 0 Inf value(s), the first at element 1",
+            "`model.layers.3.mlp.gate.e_score_correction_bias`",
+            "0 NaN and 1 Inf",
+            "`model.layers.0.mlp.gate_proj.weight_scale`",
+            "re-download",
+        ],
+    );
+    assert!(err.contains("its bytes differ from the SHA-256"), "edited tensors also fail their hash: {err}");
+    fails(&["run", s(&art), "--check-weights", "--prompt", "hi", "--max-tokens", "2"], &["input_layernorm.weight", "NaN"]);
+
+    // A finite edit (packed FP4 has no NaN) is caught only by the hash.
+    let (ckpt, art) = broken_copy("verify-weights-fp4");
+    ok(&["compile", s(&ckpt), "--target", "cpu", "--hash-weights", "-o", s(&art)]);
+    overwrite_tensor(&ckpt, "model.layers.0.mlp.gate_proj.weight", &[0x12, 0x34]);
+    let err = fails(&["verify-weights", s(&art)], &["`model.layers.0.mlp.gate_proj.weight`", "differ from the SHA-256"]);
+    assert!(!err.contains("NaN and"), "{err}");
+
+    // Without recorded hashes only NaN/Inf are checked, and the output says so; a recompile
+    // without --hash-weights removes the old hashes.
+    ok(&["compile", s(&ckpt), "--target", "cpu", "-o", s(&art)]);
+    assert!(!art.join("weights.sha256.json").exists());
+    let out = String::from_utf8_lossy(&ok(&["verify-weights", s(&art)]).stdout).into_owned();
+    assert!(out.contains("no content hashes recorded") && out.contains("--hash-weights"), "{out}");
+
+    // Edited hashes are a damaged artifact (the manifest covers them).
+    ok(&["compile", s(&ckpt), "--target", "cpu", "--hash-weights", "-o", s(&art)]);
+    let hashes = std::fs::read_to_string(art.join("weights.sha256.json")).unwrap();
+    std::fs::write(art.join("weights.sha256.json"), hashes.replacen('a', "b", 1)).unwrap();
+    fails(&["verify-weights", s(&art)], &["weights.sha256.json", "checksum", "recompile"]);
+}
+
 #[test]
 fn inspect_reports_memory_programs_and_sharding() {
     let art = scratch("inspect").join("plan");

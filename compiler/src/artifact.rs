@@ -4,6 +4,8 @@
 use crate::error::CompileError;
 use crate::passes::assemble::Cubin;
 use kiln_runtime::plan::{sha256_hex, summary::summarize, write_plan, Plan, FILES_KEY};
+use kiln_runtime::weight_check::WEIGHT_HASHES_FILE;
+use std::collections::BTreeMap;
 use std::path::Path;
 
 pub const MANIFEST_FILE: &str = "manifest.json";
@@ -15,15 +17,22 @@ pub const COPIED_FILES: [&str; 5] =
 /// Writes the artifact. `checkpoint_dir` is recorded in the manifest so `--weights` may be
 /// omitted while that directory exists.
 pub fn write_artifact(out: &Path, plan: &Plan, checkpoint_dir: &Path) -> Result<Vec<String>, CompileError> {
-    write_artifact_with(out, plan, &[], checkpoint_dir)
+    write_artifact_with(out, plan, &[], checkpoint_dir, None)
 }
 
 /// Directory of the kernels in an artifact: `<name>.ptx` per kernel, `<name>.cubin` beside it
 /// when ptxas assembled it.
 pub const KERNELS_DIR: &str = "kernels";
 
-/// [`write_artifact`] plus the cubins ptxas produced.
-pub fn write_artifact_with(out: &Path, plan: &Plan, cubins: &[Cubin], checkpoint_dir: &Path) -> Result<Vec<String>, CompileError> {
+/// [`write_artifact`] plus the cubins ptxas produced and, when `kiln compile --hash-weights`
+/// computed them, the SHA-256 of every bound tensor (`weights.sha256.json`).
+pub fn write_artifact_with(
+    out: &Path,
+    plan: &Plan,
+    cubins: &[Cubin],
+    checkpoint_dir: &Path,
+    weight_hashes: Option<&BTreeMap<String, String>>,
+) -> Result<Vec<String>, CompileError> {
     std::fs::create_dir_all(out).map_err(CompileError::io(out))?;
     let kdir = out.join(KERNELS_DIR);
     if kdir.is_dir() {
@@ -49,6 +58,17 @@ pub fn write_artifact_with(out: &Path, plan: &Plan, cubins: &[Cubin], checkpoint
     }
     for c in cubins {
         files.insert(format!("{KERNELS_DIR}/{}.cubin", c.name), sha256_hex(&c.bytes).into());
+    }
+    let hashes_path = out.join(WEIGHT_HASHES_FILE);
+    match weight_hashes {
+        Some(hashes) => {
+            let text = serde_json::to_string_pretty(hashes).expect("hashes serialise") + "\n";
+            std::fs::write(&hashes_path, &text).map_err(CompileError::io(&hashes_path))?;
+            files.insert(WEIGHT_HASHES_FILE.to_string(), sha256_hex(text.as_bytes()).into());
+        }
+        // A recompile without --hash-weights must not leave the old hashes behind.
+        None if hashes_path.exists() => std::fs::remove_file(&hashes_path).map_err(CompileError::io(&hashes_path))?,
+        None => {}
     }
     let mut copied = Vec::new();
     for name in COPIED_FILES {

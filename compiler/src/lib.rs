@@ -22,6 +22,11 @@ use checkpoint::Checkpoint;
 use kiln_runtime::plan::{MoeParallel, Parallelism, Plan, FORMAT_VERSION};
 use passes::{assemble, lower, memory, shard, specialize, verify};
 
+/// The most sequences one decode program may batch (and the KV plan reserve for).
+pub const MAX_DECODE_BATCH: usize = 4096;
+/// The most memory per GPU kiln plans for (1 PiB): a bound that keeps byte sums from overflowing.
+pub const MAX_GPU_MEMORY: u64 = 1 << 50;
+
 #[derive(Debug, Clone)]
 pub struct CompileOptions {
     pub target: String,
@@ -88,6 +93,14 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
     }
     if opts.decode_batches.is_empty() || opts.decode_batches.contains(&0) {
         return Err(option("--decode-batches", "needs one or more positive batch sizes".into()));
+    }
+    if let Some(&b) = opts.decode_batches.iter().find(|&&b| b > MAX_DECODE_BATCH) {
+        return Err(option("--decode-batches", format!("{b} is larger than the {MAX_DECODE_BATCH} sequences one decode step may hold")));
+    }
+    for (name, bytes) in [("--gpu-memory", opts.gpu_memory), ("--headroom", opts.headroom)] {
+        if let Some(b) = bytes.filter(|&b| b > MAX_GPU_MEMORY) {
+            return Err(option(name, format!("{b} bytes is more than the {} TiB kiln plans for", MAX_GPU_MEMORY >> 40)));
+        }
     }
     if opts.prefill_chunk == 0 {
         return Err(option("--prefill-chunk", "must be positive".into()));

@@ -1,7 +1,18 @@
 //! Parses GLM-4.7/GLM-5 tool calls out of the content, incrementally (SGLang/vLLM `glm47`):
 //! `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`, several in a
-//! row, `<tool_call>NAME</tool_call>` for no arguments, whitespace allowed between tags. Text
-//! outside calls is content.
+//! row, `<tool_call>NAME</tool_call>` for no arguments, whitespace allowed between tags.
+//!
+//! Where SGLang's and vLLM's glm47 parsers differ, kiln follows SGLang:
+//! - a call to a tool the request does not list is dropped (vLLM returns it), and nothing of it
+//!   is streamed: its name is checked before its start is emitted;
+//! - the content is all the text outside calls, joined as written, with the whitespace at its
+//!   two ends dropped once a call was made (vLLM keeps only the text before the first call,
+//!   unstripped); without a call the content is untouched;
+//! - a non-string value holding escaped JSON (`[{\"id\": 1}]`) is decoded twice, as SGLang
+//!   falls back; vLLM would keep the text as a string.
+//!
+//! Like vLLM, a `string` parameter's text is kept verbatim, quotes included (SGLang strips one
+//! pair of matching outer quotes); that is what lets string values stream as they arrive.
 //!
 //! The model writes values as bare text, so the tool's JSON schema decides their type: a
 //! `string` parameter keeps the text (streamed as it arrives); anything else is parsed as JSON
@@ -115,8 +126,13 @@ pub struct ToolCallParser {
     schemas: Vec<(String, Value)>,
     state: State,
     pending: String,
-    /// Whitespace at the end of the content so far: dropped if a call follows it.
+    /// Whitespace at the end of the content so far: emitted when more content follows it,
+    /// dropped at the end of an output that made a call.
     trailing_ws: String,
+    /// A complete call name was seen (kept or dropped): the content's ends are trimmed.
+    seen_call: bool,
+    /// Content other than whitespace was emitted.
+    emitted: bool,
     /// The text of a call whose name is not complete: content again if the output ends there.
     raw_call: String,
     name: String,
@@ -131,8 +147,7 @@ pub struct ToolCallParser {
 
 impl ToolCallParser {
     /// `tools`: the request's `tools` entries (`{type: "function", function: {name,
-    /// parameters}}`, or the bare function objects). Calls to tools not listed are still parsed,
-    /// with untyped values.
+    /// parameters}}`, or the bare function objects). Calls to tools not listed are dropped.
     pub fn new(tools: &[Value]) -> ToolCallParser {
         let schemas = tools
             .iter()
@@ -147,6 +162,8 @@ impl ToolCallParser {
             state: State::Text,
             pending: String::new(),
             trailing_ws: String::new(),
+            seen_call: false,
+            emitted: false,
             raw_call: String::new(),
             name: String::new(),
             name_done: false,
@@ -176,15 +193,11 @@ impl ToolCallParser {
         let mut out = ToolDelta::default();
         self.drain(&mut out, true);
         match self.state {
-            State::Text => {
-                if self.calls.is_empty() {
-                    out.content.push_str(&self.trailing_ws);
+            State::Text | State::Name => {
+                if self.state == State::Name {
+                    self.abandon_call(&mut out);
                 }
-                self.trailing_ws.clear();
-            }
-            State::Name => {
-                self.abandon_call(&mut out);
-                if self.calls.is_empty() {
+                if !self.seen_call {
                     out.content.push_str(&self.trailing_ws);
                 }
                 self.trailing_ws.clear();
@@ -290,19 +303,22 @@ impl ToolCallParser {
         self.content(&raw, out);
     }
 
-    /// Content, holding back trailing whitespace (dropped before a call, and after the last
-    /// call).
+    /// Content, holding back trailing whitespace; after a call and before any content, leading
+    /// whitespace is dropped.
     fn content(&mut self, text: &str, out: &mut ToolDelta) {
+        let text = if self.seen_call && !self.emitted { text.trim_start() } else { text };
         self.trailing_ws.push_str(text);
         let body = self.trailing_ws.trim_end().len();
         let ws = self.trailing_ws.split_off(body);
-        out.content.push_str(&std::mem::replace(&mut self.trailing_ws, ws));
+        let piece = std::mem::replace(&mut self.trailing_ws, ws);
+        self.emitted |= !piece.is_empty();
+        out.content.push_str(&piece);
     }
 
     fn tag(&mut self, tag: &str, out: &mut ToolDelta) {
         self.state = match (self.state, tag) {
             (State::Text, CALL_START) => {
-                self.raw_call = std::mem::take(&mut self.trailing_ws) + CALL_START;
+                self.raw_call = CALL_START.to_string();
                 self.name.clear();
                 self.name_done = false;
                 State::Name
@@ -338,17 +354,27 @@ impl ToolCallParser {
         };
     }
 
+    /// The name is complete: opens the call, or, for a tool the request does not list, parses
+    /// the rest of it with nothing emitted (`open` stays empty).
     fn start_call(&mut self, out: &mut ToolDelta) {
+        self.seen_call = true;
+        if !self.emitted {
+            self.trailing_ws.clear(); // the content starts after the call
+        }
+        self.raw_call.clear();
+        let name = self.name.trim();
+        if !self.schemas.iter().any(|(n, _)| n == name) {
+            return;
+        }
         let call = OpenCall {
             index: self.calls.len(),
             id: new_call_id(),
-            name: self.name.trim().to_string(),
+            name: name.to_string(),
             arguments: String::new(),
             pairs: 0,
         };
         out.calls.push(ToolCallEvent::Start { index: call.index, id: call.id.clone(), name: call.name.clone() });
         self.open = Some(call);
-        self.raw_call.clear();
         self.arguments("{", out);
     }
 
@@ -487,12 +513,15 @@ fn typed_json(raw: &str, types: &[String]) -> String {
     let integer_only = has("integer") && !has("number");
     let parsed = match serde_json::from_str::<Value>(raw) {
         Ok(v) => Some((v, compact_json(raw))),
-        // Python literals, which vLLM accepts through `ast.literal_eval`.
         Err(_) => match raw {
+            // Python literals, which vLLM accepts through `ast.literal_eval`.
             "True" => Some((Value::Bool(true), "true".to_string())),
             "False" => Some((Value::Bool(false), "false".to_string())),
             "None" => Some((Value::Null, "null".to_string())),
-            _ => None,
+            // JSON written with its quotes escaped, as inside a JSON string: decode it twice.
+            _ => serde_json::from_str::<String>(&format!("\"{raw}\""))
+                .ok()
+                .and_then(|once| serde_json::from_str::<Value>(&once).ok().map(|v| (v, compact_json(&once)))),
         },
     };
     let fits = |v: &Value| {
@@ -750,6 +779,11 @@ mod tests {
         ]
     }
 
+    /// Tools with these names and no parameters.
+    fn named(names: &[&str]) -> Vec<Value> {
+        names.iter().map(|n| serde_json::json!({"type": "function", "function": {"name": n}})).collect()
+    }
+
     #[test]
     fn a_single_call() {
         let text = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>";
@@ -767,9 +801,10 @@ mod tests {
 
     #[test]
     fn zero_argument_calls() {
-        assert_eq!(parse("<tool_call>list_files</tool_call>", &[]), (String::new(), calls(&[("list_files", "{}")])));
+        let tools = named(&["list_files", "ping", "pong"]);
+        assert_eq!(parse("<tool_call>list_files</tool_call>", &tools), (String::new(), calls(&[("list_files", "{}")])));
         assert_eq!(
-            parse("Sure.<tool_call>ping</tool_call><tool_call> pong \n</tool_call>", &[]),
+            parse("Sure.<tool_call>ping</tool_call><tool_call> pong \n</tool_call>", &tools),
             ("Sure.".into(), calls(&[("ping", "{}"), ("pong", "{}")]))
         );
     }
@@ -777,12 +812,28 @@ mod tests {
     #[test]
     fn content_around_calls() {
         let text = "Let me check the weather.\n\n<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>\nDone.";
+        // The text outside calls, joined as written; its two ends trimmed (SGLang's glm47).
         assert_eq!(
             parse(text, &weather_tools()),
-            ("Let me check the weather.\nDone.".into(), calls(&[("get_weather", r#"{"city":"Paris"}"#)]))
+            ("Let me check the weather.\n\n\nDone.".into(), calls(&[("get_weather", r#"{"city":"Paris"}"#)]))
         );
+        let tools = named(&["noop"]);
+        let noop = "<tool_call>noop</tool_call>";
+        assert_eq!(parse(&format!("Let me check. {noop}"), &tools), ("Let me check.".into(), calls(&[("noop", "{}")])));
+        assert_eq!(
+            parse(&format!("{noop} middle {noop} tail"), &tools),
+            ("middle  tail".into(), calls(&[("noop", "{}"), ("noop", "{}")]))
+        );
+        assert_eq!(
+            parse(&format!("Before: {noop} Between: {noop}{noop} After."), &tools).0,
+            "Before:  Between:  After."
+        );
+        assert_eq!(parse(&format!("  \n  {noop}\n"), &tools), (String::new(), calls(&[("noop", "{}")])));
         // No call: content untouched, `<` that starts no tag included.
-        assert_eq!(parse("if a < b then <tool_ and </tool_call>\n", &[]), ("if a < b then <tool_ and </tool_call>\n".into(), vec![]));
+        assert_eq!(
+            parse("  if a < b then <tool_ and </tool_call>\n", &[]),
+            ("  if a < b then <tool_ and </tool_call>\n".into(), vec![])
+        );
     }
 
     #[test]
@@ -829,6 +880,7 @@ mod tests {
 
     #[test]
     fn what_is_not_a_call_stays_content() {
+        let tools = named(&["f"]);
         for text in [
             "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>",
             "Use <tool_call> tags like this.",
@@ -836,13 +888,13 @@ mod tests {
             "<tool_call>get weather<arg_key>a</arg_key></tool_call>",
             "<tool_call>f<b>x</b></tool_call>",
         ] {
-            assert_eq!(parse(text, &[]), (text.to_string(), vec![]), "{text}");
+            assert_eq!(parse(text, &tools), (text.to_string(), vec![]), "{text}");
         }
         let long = format!("<tool_call>{}</tool_call>", "n".repeat(MAX_NAME_BYTES + 1));
-        assert_eq!(parse(&long, &[]), (long.clone(), vec![]));
+        assert_eq!(parse(&long, &tools), (long.clone(), vec![]));
         // A real call after a false start.
         assert_eq!(
-            parse("<tool_call>oops <tool_call>f</tool_call>", &[]),
+            parse("<tool_call>oops <tool_call>f</tool_call>", &tools),
             ("<tool_call>oops".into(), calls(&[("f", "{}")]))
         );
     }
@@ -883,6 +935,53 @@ mod tests {
         assert_eq!(p.finish(), ToolDelta::default());
         assert_eq!(p.calls()[0].to_openai_json(), serde_json::json!({
             "id": id, "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}));
+    }
+
+    /// SGLang drops calls to tools the request does not list (vLLM keeps them): nothing of such a
+    /// call is streamed, and the calls around it keep their order and indices.
+    #[test]
+    fn calls_to_unlisted_tools_are_dropped() {
+        let tools = weather_tools();
+        let text = "<tool_call>invalid_func<arg_key>city</arg_key><arg_value>Beijing</arg_value></tool_call>";
+        assert_eq!(parse(text, &tools), (String::new(), vec![]));
+        let text = concat!(
+            "Checking.\n<tool_call>get_time<arg_key>tz</arg_key><arg_value>CET</arg_value></tool_call>",
+            "<tool_call>nonexistent_function<arg_key>x</arg_key><arg_value>1</arg_value></tool_call>\n",
+            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"
+        );
+        assert_eq!(
+            parse(text, &tools),
+            ("Checking.".into(), calls(&[("get_time", r#"{"tz":"CET"}"#), ("get_weather", r#"{"city":"Paris"}"#)]))
+        );
+        let mut p = ToolCallParser::new(&tools);
+        let d = p.push("<tool_call>nonexistent_function<arg_key>x</arg_key><arg_value>streamed?");
+        assert_eq!(d, ToolDelta::default());
+        let d = p.push("</arg_value></tool_call><tool_call>get_time</tool_call>");
+        assert!(matches!(&d.calls[0], ToolCallEvent::Start { index: 0, name, .. } if name == "get_time"), "{d:?}");
+        // Without a tools list no call is kept.
+        assert_eq!(parse("<tool_call>get_time</tool_call>", &[]), (String::new(), vec![]));
+    }
+
+    /// Argument values holding escaped JSON are decoded twice for non-string parameters (SGLang's
+    /// fallback); string parameters keep the text as written (vLLM and SGLang).
+    #[test]
+    fn escaped_json_values_are_decoded_twice() {
+        let tools = vec![serde_json::json!({"type": "function", "function": {"name": "todo_write", "parameters": {
+            "type": "object", "properties": {"todos": {"type": "array"}, "path": {"type": "string"}, "meta": {"type": "object"}}}}})];
+        let text = concat!(
+            r#"<tool_call>todo_write<arg_key>todos</arg_key><arg_value>[{\"id\": \"1\", \"task\": \"Check \\\"a\\\"\"}, {\"id\": \"2\"}]</arg_value>"#,
+            r#"<arg_key>path</arg_key><arg_value>C:\\Users\"x\"</arg_value>"#,
+            r#"<arg_key>meta</arg_key><arg_value>{\"n\": 2}</arg_value></tool_call>"#
+        );
+        let (_, found) = parse(text, &tools);
+        let args: Value = serde_json::from_str(&found[0].1).unwrap();
+        assert_eq!(
+            args,
+            serde_json::json!({"todos": [{"id": "1", "task": "Check \"a\""}, {"id": "2"}], "path": "C:\\\\Users\\\"x\\\"", "meta": {"n": 2}})
+        );
+        // Text that is not JSON either way stays a string.
+        let text = r#"<tool_call>todo_write<arg_key>todos</arg_key><arg_value>say \"hi\"</arg_value></tool_call>"#;
+        assert_eq!(parse(text, &tools).1, calls(&[("todo_write", r#"{"todos":"say \\\"hi\\\""}"#)]));
     }
 
     #[test]
@@ -949,13 +1048,15 @@ mod tests {
     /// Random strings over the tag vocabulary: no panic, split-invariant, valid argument JSON.
     #[test]
     fn fuzz_tag_soup() {
-        const PIECES: [&str; 34] = [
+        const PIECES: [&str; 36] = [
             "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<think>",
             "</think>", "<", "/", ">", "a", "é", " ", "\n", "42", "\"x\"", "{", "}", "[1,", "get_weather", "city",
             "days", "tool_", "call>", "<tool", "_call>", "</arg", "_value>", "\\", "<tool_call>get_weather",
             "<tool_call>f</tool_call>", "<arg_key>city</arg_key><arg_value>", "<arg_key>days</arg_key><arg_value>",
+            "<tool_call>nope", "[{\\\"a\\\": 1}]",
         ];
-        let tools = weather_tools();
+        let mut tools = weather_tools();
+        tools.extend(named(&["f"]));
         let mut rng = Rng::new(7);
         let (mut with_calls, mut with_reasoning, mut with_content) = (0, 0, 0);
         for case in 0..1500 {

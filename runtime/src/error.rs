@@ -29,6 +29,9 @@ pub enum RuntimeError {
     MissingTensor { tensor: String, looked_in: String, fingerprint: String },
     #[error("weights do not match the plan: {0}")]
     TensorMismatch(Box<TensorMismatch>),
+    /// NaN/Inf in the weights, or bytes that differ from the hashes recorded at compile time.
+    #[error("{message}")]
+    BadWeights { message: String },
     /// A request the plan cannot serve (bad token ids, too long, unknown sequence, ...).
     #[error("{what}: {message}")]
     Input { what: String, message: String },

@@ -16,6 +16,7 @@ pub mod rng;
 pub mod safetensors;
 pub mod session;
 pub mod verify;
+pub mod weight_check;
 
 /// The PTX emulator (its own crate, so the CUDA driver double links only it).
 pub use kiln_emu as emu;

@@ -54,10 +54,20 @@ pub fn read_header(path: &Path) -> Result<Vec<(String, TensorHeader)>, Safetenso
     }
     let mut header = vec![0u8; header_len as usize];
     file.read_exact(&mut header).map_err(io)?;
-    let map: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
+    parse_header(path, &header, file_len)
+}
+
+/// Validates the JSON header (the `header.len()` bytes after the length field) of a safetensors
+/// file of `file_len` bytes: every tensor's dtype, shape and data range, sizes, alignment and
+/// overlaps. Never panics, whatever the bytes.
+pub fn parse_header(path: &Path, header: &[u8], file_len: u64) -> Result<Vec<(String, TensorHeader)>, SafetensorsError> {
+    let bad = |message: String| SafetensorsError { path: path.to_path_buf(), message };
+    let map: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header)
         .map_err(|e| bad(format!("header is not valid JSON: {e}")))?;
-    let data_base = 8 + header_len;
-    let data_len = file_len - data_base;
+    let data_base = 8 + header.len() as u64;
+    let Some(data_len) = file_len.checked_sub(data_base) else {
+        return Err(bad(format!("truncated: the {}-byte header does not fit in the {file_len}-byte file", header.len())));
+    };
     let mut tensors = Vec::with_capacity(map.len());
     for (name, entry) in map {
         if name == "__metadata__" {
@@ -86,7 +96,10 @@ pub fn read_header(path: &Path) -> Result<Vec<(String, TensorHeader)>, Safetenso
             )));
         }
         if let Some(dt) = DType::from_safetensors_name(&dtype) {
-            let expected = shape.iter().product::<usize>() as u64 * dt.size() as u64;
+            let expected = shape.iter().try_fold(dt.size() as u64, |n, &d| n.checked_mul(d as u64));
+            let Some(expected) = expected else {
+                return Err(bad(format!("tensor `{name}`: shape {shape:?} is too large (more bytes than a u64 counts)")));
+            };
             if end - begin != expected {
                 return Err(bad(format!(
                     "tensor `{name}`: {dtype} {shape:?} needs {expected} bytes but data_offsets span {}",

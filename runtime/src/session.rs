@@ -2,12 +2,13 @@
 //! to sequences, prefill prompts (in chunks when longer than the largest prefill bucket) and
 //! decode batches of sequences one token at a time.
 
-use crate::bind::bind;
+use crate::bind::{bind, CheckpointFiles};
 use crate::cpu::{CpuBackend, CpuOptions, Inputs};
 use crate::cuda::CudaBackend;
 use crate::emu_backend::EmuBackend;
 use crate::error::RuntimeError;
 use crate::plan::{read_artifact, Plan, ProgramKind};
+use crate::weight_check;
 use std::path::{Path, PathBuf};
 
 /// The artifact's manifest, which records the checkpoint it was compiled from.
@@ -19,6 +20,9 @@ pub struct SessionOptions {
     /// Show a progress bar while binding weights (only drawn on a terminal).
     pub progress: bool,
     pub backend: BackendKind,
+    /// Before binding, scan every weight for NaN/Inf and check the hashes the artifact records
+    /// (`--check-weights`; reads the whole checkpoint once).
+    pub check_weights: bool,
 }
 
 /// Which backend executes the plan.
@@ -152,6 +156,16 @@ impl Runner {
 
     /// `artifact`, when known, holds the kernels' cubins (the CUDA backend loads them).
     fn load(plan: Plan, artifact: Option<&Path>, weights: &Path, opts: SessionOptions) -> Result<Runner, RuntimeError> {
+        if opts.check_weights {
+            let recorded = match artifact {
+                Some(dir) => weight_check::recorded_hashes(dir)?,
+                None => None,
+            };
+            let files = CheckpointFiles::open(weights)?;
+            let bar = weight_check::tensor_progress(&plan, opts.progress, "checking weights {bar:40} {bytes}/{total_bytes}");
+            weight_check::scan(&plan, &files, recorded.as_ref(), &bar)?.into_result()?;
+            bar.finish_and_clear();
+        }
         let backend = match opts.backend {
             // Uploads from the mapped checkpoint itself: no host copy of the weights.
             BackendKind::Cuda => Backend::Cuda(CudaBackend::new(plan, artifact, weights, opts.progress)?),

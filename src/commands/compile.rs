@@ -2,6 +2,9 @@ use anyhow::Context;
 use kiln_compiler::targets::parse_bytes;
 use kiln_compiler::{compile, CompileOptions};
 use kiln_runtime::plan::MoeParallel;
+use kiln_runtime::bind::CheckpointFiles;
+use kiln_runtime::weight_check::{hash_tensors, tensor_progress};
+use std::io::IsTerminal;
 use std::path::PathBuf;
 
 /// Compile a checkpoint into a plan artifact.
@@ -41,6 +44,11 @@ pub struct Args {
     /// Do not assemble the kernels with ptxas even when it is found.
     #[arg(long)]
     no_ptxas: bool,
+    /// Also read every weight byte and record each tensor's SHA-256 in the artifact, so
+    /// `kiln verify-weights` and `--check-weights` can tell edited or damaged weights (reads the
+    /// whole checkpoint once: minutes for GLM-5).
+    #[arg(long)]
+    hash_weights: bool,
     /// Output artifact directory.
     #[arg(short, long)]
     out: PathBuf,
@@ -63,8 +71,20 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     for w in &compiled.warnings {
         eprintln!("warning: {w}");
     }
-    kiln_compiler::artifact::write_artifact_with(&a.out, &compiled.plan, &compiled.cubins, &a.checkpoint)
+    let hashes = if a.hash_weights {
+        let files = CheckpointFiles::open(&a.checkpoint)?;
+        let bar = tensor_progress(&compiled.plan, std::io::stderr().is_terminal(), "hashing weights {bar:40} {bytes}/{total_bytes}");
+        let hashes = hash_tensors(&compiled.plan, &files, &bar)?;
+        bar.finish_and_clear();
+        Some(hashes)
+    } else {
+        None
+    };
+    kiln_compiler::artifact::write_artifact_with(&a.out, &compiled.plan, &compiled.cubins, &a.checkpoint, hashes.as_ref())
         .with_context(|| format!("writing the artifact to {}", a.out.display()))?;
+    if let Some(h) = &hashes {
+        eprintln!("recorded the SHA-256 of {} weight tensors ({})", h.len(), kiln_runtime::weight_check::WEIGHT_HASHES_FILE);
+    }
     let p = &compiled.plan;
     if !p.kernels.is_empty() {
         match &compiled.ptxas {

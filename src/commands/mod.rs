@@ -8,6 +8,7 @@ pub mod run;
 pub mod synth;
 pub mod serve;
 pub mod verify;
+pub mod verify_weights;
 
 use kiln_runtime::session::BackendKind;
 

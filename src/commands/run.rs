@@ -16,6 +16,10 @@ pub struct Args {
     /// Checkpoint with the weights (default: the directory the artifact was compiled from).
     #[arg(long)]
     pub weights: Option<PathBuf>,
+    /// Before binding, scan every weight for NaN/Inf and check the hashes `kiln compile
+    /// --hash-weights` recorded (reads the whole checkpoint).
+    #[arg(long)]
+    pub check_weights: bool,
     #[arg(long)]
     pub prompt: String,
     /// Render the prompt as one user message through the model's chat template.
@@ -61,7 +65,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.prompt.clone()
     };
     let prompt = tok.encode(&text)?;
-    let model = Runner::open_plan(plan, &a.artifact, a.weights.as_deref(), SessionOptions { progress: true, backend, ..SessionOptions::default() })?;
+    let model = Runner::open_plan(plan, &a.artifact, a.weights.as_deref(), SessionOptions { progress: true, backend, check_weights: a.check_weights, ..SessionOptions::default() })?;
     let eos = model.plan().model.eos_token_ids.clone();
     let limit = Forward::max_context(&model);
     if prompt.len() + a.max_tokens > limit {

@@ -21,6 +21,10 @@ pub struct Args {
     /// Checkpoint with the weights (default: the directory the artifact was compiled from).
     #[arg(long)]
     weights: Option<PathBuf>,
+    /// Before binding, scan every weight for NaN/Inf and check the hashes `kiln compile
+    /// --hash-weights` recorded; refuse to serve damaged weights (reads the whole checkpoint).
+    #[arg(long)]
+    check_weights: bool,
     /// Address to bind; 127.0.0.1 keeps the server local.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -72,6 +76,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let weights = weights_dir(&a.artifact, a.weights.as_deref())?;
     let state = AppState::new(name, a.api_key.clone(), a.enable_test_hooks);
     let artifact = a.artifact.clone();
+    let check_weights = a.check_weights;
     let options = scheduler::EngineOptions { max_waiting: a.max_waiting, max_total_tokens: a.max_total_tokens, prefix_cache: !a.disable_prefix_cache };
     if a.max_total_tokens == Some(0) {
         anyhow::bail!("--max-total-tokens must be at least one KV page ({} tokens)", plan.memory.kv.page_size);
@@ -87,7 +92,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         };
         let eos_ids = plan.model.eos_token_ids.clone();
         let vocab = plan.model.vocab_size;
-        let forward = Runner::open_plan(plan, &artifact, Some(&weights), SessionOptions { progress: true, backend, ..SessionOptions::default() })?;
+        let forward = Runner::open_plan(plan, &artifact, Some(&weights), SessionOptions { progress: true, backend, check_weights, ..SessionOptions::default() })?;
         let constraints = match ConstraintCompiler::new(&tokenizer, vocab, &eos_ids) {
             Ok(c) => Some(Arc::new(c)),
             Err(e) => {

@@ -9,6 +9,8 @@ mod listener;
 mod logprobs;
 mod metrics;
 mod params;
+#[cfg(test)]
+mod request_fuzz;
 mod sse;
 mod state;
 mod structured;

@@ -135,6 +135,13 @@ def test_tools():
     check("streamed tool args", {k: json.loads(v) for k, v in args.items()} == {0: {"city": "Paris", "days": 3}, 1: {"city": "Rome"}}, args)
     check("streamed tool finish", finish == "tool_calls", finish)
 
+    # A call to a tool the request does not list is dropped (SGLang's glm47), streamed or not.
+    unlisted = "</think>Checking. <tool_call>delete_files<arg_key>path</arg_key><arg_value>/</arg_value></tool_call>"
+    r = chat(unlisted, messages=msgs, tools=WEATHER, max_tokens=300).choices[0]
+    check("unlisted tool dropped", not r.message.tool_calls and r.finish_reason == "stop" and r.message.content == "Checking.", r)
+    streamed = [ci.delta for ch in chat(unlisted, messages=msgs, tools=WEATHER, max_tokens=300, stream=True) for ci in ch.choices]
+    check("unlisted tool not streamed", not any(d.tool_calls for d in streamed), streamed)
+
     # A tool round trip renders through the chat template without error.
     follow = chat("It is sunny.", messages=msgs + [
         {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",

@@ -7,6 +7,8 @@ use serde_json::Value;
 
 const ARCHITECTURE: &str = "GlmMoeDsaForCausalLM";
 const MODEL_TYPE: &str = "glm_moe_dsa";
+/// The largest integer a config field may hold: 2^24, 80x GLM-5's largest (its vocabulary).
+const MAX_CONFIG_INT: u64 = 1 << 24;
 
 struct Fields<'a> {
     json: &'a Value,
@@ -21,7 +23,12 @@ impl Fields<'_> {
     fn usize(&self, field: &str) -> Result<usize, CompileError> {
         match self.json.get(field) {
             None | Some(Value::Null) => Err(self.err(field, "missing (required for glm_moe_dsa)")),
-            Some(v) => v.as_u64().map(|n| n as usize).ok_or_else(|| self.err(field, format!("expected a non-negative integer, found {v}"))),
+            Some(v) => match v.as_u64() {
+                // Sizes are multiplied together in planning: bound them so no product overflows.
+                Some(n) if n > MAX_CONFIG_INT => Err(self.err(field, format!("{n} is implausibly large (at most {MAX_CONFIG_INT})"))),
+                Some(n) => Ok(n as usize),
+                None => Err(self.err(field, format!("expected a non-negative integer, found {v}"))),
+            },
         }
     }
 
@@ -64,9 +71,9 @@ impl Fields<'_> {
             None | Some(Value::Null) => Ok(vec![]),
             Some(Value::Array(items)) => items
                 .iter()
-                .map(|i| i.as_u64().map(|n| n as u32).ok_or_else(|| self.err(field, format!("{i} is not a token id"))))
+                .map(|i| i.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| self.err(field, format!("{i} is not a token id"))))
                 .collect(),
-            Some(v) => v.as_u64().map(|n| vec![n as u32]).ok_or_else(|| self.err(field, format!("{v} is not a token id"))),
+            Some(v) => v.as_u64().and_then(|n| u32::try_from(n).ok()).map(|n| vec![n]).ok_or_else(|| self.err(field, format!("{v} is not a token id"))),
         }
     }
 }

@@ -68,6 +68,12 @@ pub fn write_plan(dir: &Path, plan: &Plan) -> Result<(), PlanError> {
 pub fn read_plan(dir: &Path) -> Result<Plan, PlanError> {
     let path = dir.join(PLAN_FILE);
     let bytes = std::fs::read(&path).map_err(|error| PlanError::Io { path: path.clone(), error })?;
+    decode_plan(path, &bytes)
+}
+
+/// Checks and decodes the bytes of a plan.bin (`path` names it in errors). Never panics and
+/// never allocates much more than the bytes could hold, whatever they are.
+pub fn decode_plan(path: PathBuf, bytes: &[u8]) -> Result<Plan, PlanError> {
     if bytes.len() < 12 || &bytes[..8] != MAGIC {
         return Err(PlanError::NotAPlan { path });
     }

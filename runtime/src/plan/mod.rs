@@ -15,7 +15,7 @@ mod weights;
 pub use config::ModelConfig;
 pub use dtype::DType;
 pub use files::{check_artifact_files, read_artifact, sha256_hex, FILES_KEY};
-pub use io::{read_plan, write_plan, PlanError, PLAN_FILE, RECOMPILE};
+pub use io::{decode_plan, read_plan, write_plan, PlanError, PLAN_FILE, RECOMPILE};
 pub use kernel::{PtxArch, KernelId, KernelInfo, Launch, LaunchArg, Resources};
 pub use memory::{KvLayout, MemoryPlan};
 pub use op::{AttentionForm, Epilogue, LinearPart, LinearWeights, Op, RouterParams};
