@@ -67,8 +67,95 @@ fn glm5_tp8_kernels_assemble_without_spills() {
             max_smem = max_smem.max(smem);
         }
         eprintln!("GLM-5 {target} tp8: {} kernels, at most {max_regs} registers and {max_smem} B shared memory, 0 spills", kernels.len());
+        if target == "sm_120a" {
+            shipped_artifact_equals(&plan);
+        }
     }
+    shipped_artifact_refuses_what_it_cannot_run(&dir.join("ckpt"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+const SHIPPED: &str = "artifacts/GLM-5-NVFP4-sm120a-tp8";
+
+fn shipped() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(SHIPPED)
+}
+
+/// The prebuilt plan in artifacts/ is what this kiln compiles, file for file (plan.bin, every
+/// kernel's PTX and cubin, the manifest's checksums): rebuild it with
+/// scripts/build-glm5-artifact.sh when this fails.
+fn shipped_artifact_equals(fresh: &Path) {
+    let stale = format!("{SHIPPED} is stale: rebuild it with scripts/build-glm5-artifact.sh");
+    let read = |p: PathBuf| std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}; {stale}", p.display()));
+    assert!(read(shipped().join("plan.bin")) == read(fresh.join("plan.bin")), "plan.bin differs; {stale}");
+    let names = |d: &Path| {
+        let mut v: Vec<String> = std::fs::read_dir(d.join("kernels")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(&shipped()), names(fresh), "{stale}");
+    for n in names(fresh) {
+        assert!(read(shipped().join("kernels").join(&n)) == read(fresh.join("kernels").join(&n)), "kernels/{n} differs; {stale}");
+    }
+    let manifest = |d: &Path| -> serde_json::Value { serde_json::from_slice(&read(d.join("manifest.json"))).unwrap() };
+    let (m, f) = (manifest(&shipped()), manifest(fresh));
+    assert_eq!(m["files"], f["files"], "{stale}");
+    assert!(m.get("checkpoint_dir").is_none(), "the shipped manifest names no local path");
+    let j = inspect_json(&shipped());
+    assert_eq!(j["per_gpu"]["kv_token_capacity"], 364_096);
+}
+
+/// Without GPUs, serving the shipped plan is refused at once, naming the driver; weights whose
+/// headers differ are refused naming the tensor, expected and found.
+fn shipped_artifact_refuses_what_it_cannot_run(skeleton: &Path) {
+    let fails = |args: &[&str], needles: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
+        c.args(args).env_remove("LD_LIBRARY_PATH");
+        let o = c.output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && !err.contains("panicked"), "kiln {args:?}: {err}");
+        for n in needles {
+            assert!(err.contains(n), "kiln {args:?}: stderr lacks {n:?}:\n{err}");
+        }
+    };
+    let art = shipped();
+    fails(&["serve", s(&art), "--port", "0"], &["--weights"]);
+    if !Path::new("/dev/nvidia0").exists() {
+        fails(&["serve", s(&art), "--weights", s(skeleton), "--backend", "cuda", "--port", "0"], &["driver"]);
+    }
+    // One tensor transposed in its shard's header (the same bytes, another shape).
+    let edited = skeleton.parent().unwrap().join("edited");
+    std::fs::create_dir_all(&edited).unwrap();
+    let mut victim = None;
+    for e in std::fs::read_dir(skeleton).unwrap() {
+        let e = e.unwrap();
+        let (name, to) = (e.file_name().to_string_lossy().into_owned(), edited.join(e.file_name()));
+        if victim.is_none() && name.ends_with(".safetensors") {
+            let bytes = std::fs::File::open(e.path()).unwrap();
+            let len = bytes.metadata().unwrap().len();
+            let mut head = [0u8; 8];
+            std::io::Read::read_exact(&mut &bytes, &mut head).unwrap();
+            let n = u64::from_le_bytes(head) as usize;
+            let mut json = vec![0u8; n];
+            std::io::Read::read_exact(&mut &bytes, &mut json).unwrap();
+            let mut h: serde_json::Value = serde_json::from_slice(&json).unwrap();
+            let tensor = h.as_object().unwrap().iter().find(|(k, v)| k.ends_with("q_a_proj.weight") && v["shape"][0] != v["shape"][1]).map(|(k, _)| k.clone());
+            if let Some(t) = tensor {
+                let shape = h[&t]["shape"].as_array().unwrap().clone();
+                h[&t]["shape"] = serde_json::json!([shape[1], shape[0]]);
+                let text = serde_json::to_vec(&h).unwrap();
+                let mut out = (text.len() as u64).to_le_bytes().to_vec();
+                out.extend_from_slice(&text);
+                std::fs::write(&to, &out).unwrap();
+                std::fs::OpenOptions::new().write(true).open(&to).unwrap().set_len(len - 8 - n as u64 + out.len() as u64).unwrap();
+                victim = Some(t);
+                continue;
+            }
+        }
+        std::fs::hard_link(e.path(), &to).or_else(|_| std::fs::copy(e.path(), &to).map(|_| ())).unwrap();
+    }
+    let victim = victim.expect("a q_a_proj tensor");
+    fails(&["verify-weights", s(&art), "--weights", s(&edited)], &[&format!("`{victim}`"), "the plan expects", "found", "9f9ced5e3bbad2ec"]);
 }
 
 /// The sm_90a plans of the tiny model (tp 1 and 2) and of the NVFP4 oracle goldens: each distinct

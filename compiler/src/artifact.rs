@@ -17,7 +17,7 @@ pub const COPIED_FILES: [&str; 5] =
 /// Writes the artifact. `checkpoint_dir` is recorded in the manifest so `--weights` may be
 /// omitted while that directory exists.
 pub fn write_artifact(out: &Path, plan: &Plan, checkpoint_dir: &Path) -> Result<Vec<String>, CompileError> {
-    write_artifact_with(out, plan, &[], checkpoint_dir, None)
+    write_artifact_with(out, plan, &[], checkpoint_dir, None, true)
 }
 
 /// Directory of the kernels in an artifact: `<name>.ptx` per kernel, `<name>.cubin` beside it
@@ -32,6 +32,7 @@ pub fn write_artifact_with(
     cubins: &[Cubin],
     checkpoint_dir: &Path,
     weight_hashes: Option<&BTreeMap<String, String>>,
+    record_checkpoint: bool,
 ) -> Result<Vec<String>, CompileError> {
     std::fs::create_dir_all(out).map_err(CompileError::io(out))?;
     let kdir = out.join(KERNELS_DIR);
@@ -82,7 +83,7 @@ pub fn write_artifact_with(
         }
     }
     let checkpoint = std::fs::canonicalize(checkpoint_dir).unwrap_or_else(|_| checkpoint_dir.to_path_buf());
-    let manifest = serde_json::json!({
+    let mut manifest = serde_json::json!({
         "checkpoint_dir": checkpoint.display().to_string(),
         "copied_files": copied,
         FILES_KEY: files,
@@ -90,6 +91,10 @@ pub fn write_artifact_with(
         "model": plan.model,
         "target": plan.target,
     });
+    if !record_checkpoint {
+        // A portable artifact names no local path: `--weights` is then required.
+        manifest.as_object_mut().expect("an object").remove("checkpoint_dir");
+    }
     let path = out.join(MANIFEST_FILE);
     let text = serde_json::to_string_pretty(&manifest).expect("manifest serialises") + "\n";
     std::fs::write(&path, text).map_err(CompileError::io(&path))?;

@@ -49,6 +49,11 @@ pub struct Args {
     /// whole checkpoint once: minutes for GLM-5).
     #[arg(long)]
     hash_weights: bool,
+    /// Record no local path in the artifact (for artifacts shipped to other machines, like
+    /// artifacts/GLM-5-NVFP4-sm120a-tp8): `run` and `serve` then need --weights, and read the
+    /// tokenizer and chat template from that checkpoint when the artifact has none.
+    #[arg(long)]
+    portable: bool,
     /// Output artifact directory.
     #[arg(short, long)]
     out: PathBuf,
@@ -80,7 +85,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         None
     };
-    kiln_compiler::artifact::write_artifact_with(&a.out, &compiled.plan, &compiled.cubins, &a.checkpoint, hashes.as_ref())
+    kiln_compiler::artifact::write_artifact_with(&a.out, &compiled.plan, &compiled.cubins, &a.checkpoint, hashes.as_ref(), !a.portable)
         .with_context(|| format!("writing the artifact to {}", a.out.display()))?;
     if let Some(h) = &hashes {
         eprintln!("recorded the SHA-256 of {} weight tensors ({})", h.len(), kiln_runtime::weight_check::WEIGHT_HASHES_FILE);

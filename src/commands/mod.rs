@@ -11,6 +11,14 @@ pub mod verify;
 pub mod verify_weights;
 
 use kiln_runtime::session::BackendKind;
+use std::path::{Path, PathBuf};
+
+/// Where the tokenizer and chat template are read from: the artifact when `kiln compile` copied
+/// them there (checked against the manifest), else the checkpoint the weights come from (a
+/// prebuilt artifact ships without them; the downloaded checkpoint has them).
+pub fn text_files_dir(artifact: &Path, weights: &Path) -> PathBuf {
+    if artifact.join("tokenizer.json").is_file() { artifact.to_path_buf() } else { weights.to_path_buf() }
+}
 
 /// `--backend`: cpu (the reference backend), emu (the plan's kernels on the PTX emulator;
 /// slow, for checking) or cuda (the GPUs).

@@ -56,16 +56,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     params.validate().map_err(|m| anyhow::anyhow!("sampling: {m}"))?;
     // Before the tokenizer and template are read: a damaged file is named as such.
     let plan = kiln_runtime::plan::read_artifact(&a.artifact)?;
-    let tok = Tokenizer::from_dir(&a.artifact)?;
+    let weights = kiln_runtime::session::weights_dir(&a.artifact, a.weights.as_deref())?;
+    let text_dir = super::text_files_dir(&a.artifact, &weights);
+    let tok = Tokenizer::from_dir(&text_dir)?;
     let text = if a.chat {
-        let template = ChatTemplate::from_dir(&a.artifact)?;
+        let template = ChatTemplate::from_dir(&text_dir)?;
         let messages = serde_json::json!([{"role": "user", "content": a.prompt}]);
         template.render(&ChatInput::from_json(&messages, None))?
     } else {
         a.prompt.clone()
     };
     let prompt = tok.encode(&text)?;
-    let model = Runner::open_plan(plan, &a.artifact, a.weights.as_deref(), SessionOptions { progress: true, backend, check_weights: a.check_weights, ..SessionOptions::default() })?;
+    let model = Runner::open_plan(plan, &a.artifact, Some(&weights), SessionOptions { progress: true, backend, check_weights: a.check_weights, ..SessionOptions::default() })?;
     let eos = model.plan().model.eos_token_ids.clone();
     let limit = Forward::max_context(&model);
     if prompt.len() + a.max_tokens > limit {

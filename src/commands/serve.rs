@@ -5,7 +5,7 @@ use kiln_engine::constraint::ConstraintCompiler;
 use kiln_engine::scheduler;
 use kiln_engine::tokenizer::Tokenizer;
 use kiln_runtime::plan::read_artifact;
-use kiln_runtime::session::weights_dir;
+use kiln_runtime::session::{weights_dir, BackendKind};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -74,6 +74,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // Check what can be checked before binding the port.
     let plan = read_artifact(&a.artifact)?;
     let weights = weights_dir(&a.artifact, a.weights.as_deref())?;
+    if backend == BackendKind::Cuda {
+        // A machine without the plan's GPUs is refused before the port is bound.
+        kiln_runtime::cuda::hardware::check(&plan)?;
+    }
+    let text_dir = super::text_files_dir(&a.artifact, &weights);
     let state = AppState::new(name, a.api_key.clone(), a.enable_test_hooks);
     let artifact = a.artifact.clone();
     let check_weights = a.check_weights;
@@ -82,8 +87,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         anyhow::bail!("--max-total-tokens must be at least one KV page ({} tokens)", plan.memory.kv.page_size);
     }
     let load = move || -> anyhow::Result<Loaded> {
-        let tokenizer = Tokenizer::from_dir(&artifact)?;
-        let chat_template = match ChatTemplate::from_dir(&artifact) {
+        let tokenizer = Tokenizer::from_dir(&text_dir)?;
+        let chat_template = match ChatTemplate::from_dir(&text_dir) {
             Ok(t) => Some(t),
             Err(e) => {
                 eprintln!("warning: {e}; /v1/chat/completions is disabled");
