@@ -38,6 +38,10 @@ use std::time::{Duration, Instant};
 pub struct LoadReport {
     pub weight_bytes: u64,
     pub upload: Duration,
+    /// Loading every kernel module (cubins) on a GPU, the slowest GPU's.
+    pub module_load: Duration,
+    /// Joining the NCCL communicator.
+    pub nccl_init: Duration,
     pub graphs: usize,
     pub graph_build: Duration,
     /// Per GPU: (bytes allocated for the plan, bytes the driver has left).
@@ -59,7 +63,7 @@ enum Command {
 }
 
 enum Reply {
-    Opened { allocated: u64, free_after: u64, upload: Duration, bytes: u64, jit: Vec<String> },
+    Opened { allocated: u64, free_after: u64, upload: Duration, modules: Duration, bytes: u64, jit: Vec<String> },
     Ready,
     Captured(Duration),
     Ran(Option<Vec<u8>>),
@@ -91,8 +95,10 @@ fn worker(rank: usize, plan: Arc<Plan>, files: Arc<CheckpointFiles>, kernels: Op
         let t = Instant::now();
         let bytes = dev.upload_weights(&plan, &files, &bar)?;
         let upload = t.elapsed();
+        let t = Instant::now();
         let jit = dev.load_kernels(&plan, kernels.as_deref())?;
-        Ok::<_, RuntimeError>((dev, Reply::Opened { allocated: opened.allocated, free_after: opened.free_after, upload, bytes, jit }))
+        let modules = t.elapsed();
+        Ok::<_, RuntimeError>((dev, Reply::Opened { allocated: opened.allocated, free_after: opened.free_after, upload, modules, bytes, jit }))
     })();
     let mut dev = match opened {
         Ok((dev, reply)) => {
@@ -137,6 +143,7 @@ impl CudaBackend {
                 message: format!("the plan was compiled for {} and has no kernels; the CUDA backend needs a GPU target (--target sm_120a or sm_90a)", plan.target.name),
             });
         }
+        let started = Instant::now();
         let machine = hardware::check(&plan)?;
         if plan.ranks() > 1 {
             hardware::require_nccl()?;
@@ -169,14 +176,14 @@ impl CudaBackend {
         drop(reply_tx);
         drop(files);
         let mut backend = CudaBackend { plan, workers, replies, logits: Vec::new(), dead: None, report: LoadReport::default() };
-        let started = Instant::now();
         let mut jit = Vec::new();
         backend.report.memory = vec![(0, 0); ranks];
         for (rank, reply) in backend.gather("loading the plan")? {
-            if let Reply::Opened { allocated, free_after, upload, bytes, jit: j } = reply {
+            if let Reply::Opened { allocated, free_after, upload, modules, bytes, jit: j } = reply {
                 backend.report.memory[rank] = (allocated, free_after);
                 backend.report.weight_bytes += bytes;
                 backend.report.upload = backend.report.upload.max(upload);
+                backend.report.module_load = backend.report.module_load.max(modules);
                 if rank == 0 {
                     jit = j;
                 }
@@ -206,21 +213,34 @@ impl CudaBackend {
                 jit[0]
             );
         }
+        let opened = started.elapsed();
         if ranks > 1 {
+            let t = Instant::now();
             let id = cudarc::nccl::result::get_uniqueid().map_err(|e| gpu_error(format!("ncclGetUniqueId: NCCL {:?}", e.0)))?;
             backend.broadcast(|| Command::Comm(id))?;
             backend.gather("joining the NCCL communicator")?;
+            backend.report.nccl_init = t.elapsed();
         }
         backend.broadcast(|| Command::Capture)?;
         let captured = backend.gather("capturing the programs as CUDA graphs")?;
         backend.report.graph_build = captured.iter().filter_map(|(_, r)| if let Reply::Captured(d) = r { Some(*d) } else { None }).max().unwrap_or_default();
         backend.report.graphs = backend.plan.programs.len() * ranks;
+        let r = &backend.report;
         eprintln!(
-            "kiln cuda: {} CUDA graphs ({} programs x {ranks} ranks) built in {:.2} s; start-up took {:.2} s",
-            backend.report.graphs,
+            "kiln cuda: {} CUDA graphs ({} programs x {ranks} ranks) built in {:.2} s",
+            r.graphs,
             backend.plan.programs.len(),
-            backend.report.graph_build.as_secs_f64(),
-            started.elapsed().as_secs_f64()
+            r.graph_build.as_secs_f64()
+        );
+        eprintln!(
+            "kiln cuda: start-up {:.2} s = machine check, header check, contexts, memory and weight upload {:.2} s (upload {:.2} s at {:.2} GB/s) + module load {:.2} s + NCCL {:.2} s + graph build {:.2} s",
+            started.elapsed().as_secs_f64(),
+            opened.saturating_sub(r.module_load).as_secs_f64(),
+            r.upload.as_secs_f64(),
+            r.upload_gbps(),
+            r.module_load.as_secs_f64(),
+            r.nccl_init.as_secs_f64(),
+            r.graph_build.as_secs_f64()
         );
         Ok(backend)
     }
