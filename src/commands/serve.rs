@@ -74,8 +74,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // Check what can be checked before binding the port.
     let plan = read_artifact(&a.artifact)?;
     let weights = weights_dir(&a.artifact, a.weights.as_deref())?;
-    if backend == BackendKind::Cuda {
-        // A machine without the plan's GPUs is refused before the port is bound.
+    if backend == BackendKind::Cuda && !plan.kernels.is_empty() {
+        // A machine without the plan's GPUs is refused before the port is bound (a plan without
+        // kernels is refused by the backend itself, naming its target).
         kiln_runtime::cuda::hardware::check(&plan)?;
     }
     let text_dir = super::text_files_dir(&a.artifact, &weights);
