@@ -5,6 +5,8 @@
 //! mutation tests beside them: src/server/request_fuzz.rs, engine/src/tool_calls.rs.)
 //! `KILN_FUZZ_SCALE=20 KILN_FUZZ_SEED=7 cargo test --test fuzz` hunts longer and elsewhere.
 
+mod common;
+
 use kiln_compiler::{compile, CompileOptions};
 use kiln_runtime::plan::{decode_plan, write_plan, PlanError};
 use kiln_runtime::rng::Rng;
@@ -184,15 +186,9 @@ fn variant(dir: &Path, files: &[(&str, &Value)], shard_header: Option<&Value>) {
         std::fs::write(dir.join(name), serde_json::to_vec(v).unwrap()).unwrap();
     }
     if let Some(h) = shard_header {
-        let (path, header, file_len) = first_shard();
-        let data_len = file_len - 8 - header.len() as u64;
-        let to = dir.join(path.file_name().unwrap());
-        let _ = std::fs::remove_file(&to);
-        let text = serde_json::to_vec(h).unwrap();
-        let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
-        bytes.extend_from_slice(&text);
-        std::fs::write(&to, &bytes).unwrap();
-        std::fs::OpenOptions::new().write(true).open(&to).unwrap().set_len(bytes.len() as u64 + data_len).unwrap();
+        let path = first_shard().0;
+        let (_, data_len) = common::read_shard_header(&path);
+        common::write_header_only_shard(&dir.join(path.file_name().unwrap()), h, data_len);
     }
 }
 

@@ -131,23 +131,12 @@ fn shipped_artifact_refuses_what_it_cannot_run(skeleton: &Path) {
         let e = e.unwrap();
         let (name, to) = (e.file_name().to_string_lossy().into_owned(), edited.join(e.file_name()));
         if victim.is_none() && name.ends_with(".safetensors") {
-            let bytes = std::fs::File::open(e.path()).unwrap();
-            let len = bytes.metadata().unwrap().len();
-            let mut head = [0u8; 8];
-            std::io::Read::read_exact(&mut &bytes, &mut head).unwrap();
-            let n = u64::from_le_bytes(head) as usize;
-            let mut json = vec![0u8; n];
-            std::io::Read::read_exact(&mut &bytes, &mut json).unwrap();
-            let mut h: serde_json::Value = serde_json::from_slice(&json).unwrap();
+            let (mut h, data_len) = common::read_shard_header(&e.path());
             let tensor = h.as_object().unwrap().iter().find(|(k, v)| k.ends_with("q_a_proj.weight") && v["shape"][0] != v["shape"][1]).map(|(k, _)| k.clone());
             if let Some(t) = tensor {
                 let shape = h[&t]["shape"].as_array().unwrap().clone();
                 h[&t]["shape"] = serde_json::json!([shape[1], shape[0]]);
-                let text = serde_json::to_vec(&h).unwrap();
-                let mut out = (text.len() as u64).to_le_bytes().to_vec();
-                out.extend_from_slice(&text);
-                std::fs::write(&to, &out).unwrap();
-                std::fs::OpenOptions::new().write(true).open(&to).unwrap().set_len(len - 8 - n as u64 + out.len() as u64).unwrap();
+                common::write_header_only_shard(&to, &h, data_len);
                 victim = Some(t);
                 continue;
             }

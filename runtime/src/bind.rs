@@ -184,10 +184,14 @@ pub fn bind(plan: &Plan, weights_dir: &Path, progress: bool) -> Result<Vec<Arena
 /// A progress bar over every rank's weight bytes, drawn on stderr with `template` when `shown`
 /// (hidden otherwise).
 pub fn weights_progress(plan: &Plan, shown: bool, template: &str) -> indicatif::ProgressBar {
+    progress_bar(plan.weights.iter().map(|s| s.bytes).sum::<u64>() * plan.ranks() as u64, shown, template)
+}
+
+/// A progress bar over `total` bytes, drawn on stderr with `template` when `shown`.
+pub fn progress_bar(total: u64, shown: bool, template: &str) -> indicatif::ProgressBar {
     if !shown {
         return indicatif::ProgressBar::hidden();
     }
-    let total: u64 = plan.weights.iter().map(|s| s.bytes).sum::<u64>() * plan.ranks() as u64;
     let bar = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
     if let Ok(style) = indicatif::ProgressStyle::with_template(template) {
         bar.set_style(style);
@@ -216,7 +220,8 @@ fn check_host_memory(needed: u64, ranks: usize) -> Result<(), RuntimeError> {
     }
 }
 
-fn human(bytes: u64) -> String {
+/// `bytes` as GiB, or MiB below one GiB.
+pub fn human(bytes: u64) -> String {
     const GIB: f64 = (1u64 << 30) as f64;
     if bytes >= 1 << 30 {
         format!("{:.2} GiB", bytes as f64 / GIB)

@@ -2,7 +2,7 @@
 //! to sequences, prefill prompts (in chunks when longer than the largest prefill bucket) and
 //! decode batches of sequences one token at a time.
 
-use crate::bind::{bind, CheckpointFiles};
+use crate::bind::bind;
 use crate::cpu::{CpuBackend, CpuOptions, Inputs};
 use crate::cuda::CudaBackend;
 use crate::emu_backend::EmuBackend;
@@ -157,14 +157,7 @@ impl Runner {
     /// `artifact`, when known, holds the kernels' cubins (the CUDA backend loads them).
     fn load(plan: Plan, artifact: Option<&Path>, weights: &Path, opts: SessionOptions) -> Result<Runner, RuntimeError> {
         if opts.check_weights {
-            let recorded = match artifact {
-                Some(dir) => weight_check::recorded_hashes(dir)?,
-                None => None,
-            };
-            let files = CheckpointFiles::open(weights)?;
-            let bar = weight_check::tensor_progress(&plan, opts.progress, "checking weights {bar:40} {bytes}/{total_bytes}");
-            weight_check::scan(&plan, &files, recorded.as_ref(), &bar)?.into_result()?;
-            bar.finish_and_clear();
+            weight_check::scan_checkpoint(&plan, artifact, weights, opts.progress)?.into_result()?;
         }
         let backend = match opts.backend {
             // Uploads from the mapped checkpoint itself: no host copy of the weights.

@@ -191,15 +191,21 @@ pub fn recorded_hashes(artifact: &Path) -> Result<Option<BTreeMap<String, String
 
 /// A progress bar over the bytes of every tensor the plan binds, on stderr when `shown`.
 pub fn tensor_progress(plan: &Plan, shown: bool, template: &str) -> indicatif::ProgressBar {
-    if !shown {
-        return indicatif::ProgressBar::hidden();
-    }
-    let total = plan.tensors.iter().map(TensorInfo::bytes).sum();
-    let bar = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
-    if let Ok(style) = indicatif::ProgressStyle::with_template(template) {
-        bar.set_style(style);
-    }
-    bar
+    crate::bind::progress_bar(plan.tensors.iter().map(TensorInfo::bytes).sum(), shown, template)
+}
+
+/// [`scan`] of the checkpoint in `weights` against the hashes `artifact` records (if any), with
+/// a progress bar when `progress`: what `kiln verify-weights` and `--check-weights` run.
+pub fn scan_checkpoint(plan: &Plan, artifact: Option<&Path>, weights: &Path, progress: bool) -> Result<WeightReport, RuntimeError> {
+    let recorded = match artifact {
+        Some(dir) => recorded_hashes(dir)?,
+        None => None,
+    };
+    let files = CheckpointFiles::open(weights)?;
+    let bar = tensor_progress(plan, progress, "checking weights {bar:40} {bytes}/{total_bytes}");
+    let report = scan(plan, &files, recorded.as_ref(), &bar);
+    bar.finish_and_clear();
+    report
 }
 
 #[cfg(test)]

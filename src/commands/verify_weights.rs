@@ -1,7 +1,7 @@
-use kiln_runtime::bind::CheckpointFiles;
+use kiln_runtime::bind::human;
 use kiln_runtime::plan::read_artifact;
 use kiln_runtime::session::weights_dir;
-use kiln_runtime::weight_check::{recorded_hashes, scan, tensor_progress, WEIGHT_HASHES_FILE};
+use kiln_runtime::weight_check::{scan_checkpoint, WEIGHT_HASHES_FILE};
 use std::path::PathBuf;
 
 /// Check a checkpoint's weight data against an artifact.
@@ -24,20 +24,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
     let plan = read_artifact(&a.artifact)?;
     let dir = weights_dir(&a.artifact, a.weights.as_deref())?;
-    let recorded = recorded_hashes(&a.artifact)?;
-    let files = CheckpointFiles::open(&dir)?;
-    let bar = tensor_progress(&plan, true, "checking weights {bar:40} {bytes}/{total_bytes}");
-    let report = scan(&plan, &files, recorded.as_ref(), &bar)?;
-    bar.finish_and_clear();
-    let tensors = report.tensors;
-    let size = match report.bytes as f64 {
-        b if b >= (1u64 << 30) as f64 => format!("{:.2} GiB", b / (1u64 << 30) as f64),
-        b => format!("{:.2} MiB", b / (1u64 << 20) as f64),
-    };
-    let hashed = report.hashed;
-    report.into_result()?;
-    println!("{tensors} tensors ({size}) in {}: no NaN or Inf", dir.display());
-    if hashed {
+    let report = scan_checkpoint(&plan, Some(&a.artifact), &dir, true)?.into_result()?;
+    println!("{} tensors ({}) in {}: no NaN or Inf", report.tensors, human(report.bytes), dir.display());
+    if report.hashed {
         println!("every tensor matches the SHA-256 recorded at compile time");
     } else {
         println!("no content hashes recorded ({WEIGHT_HASHES_FILE} absent): compile with --hash-weights to check the bytes too");

@@ -104,3 +104,27 @@ pub fn nvfp4_linear(rng: &mut Rng, x: &[f32], m: usize, k: usize, parts: &[usize
     kiln_runtime::cpu::reference::linear_nvfp4(x, m, &packed, &scales, k, parts, &scale_2, &input_scale, epilogue, out_bf16, &mut want);
     Nvfp4Linear { packed, scales, scale_2, input_scale, want }
 }
+
+/// A safetensors file's JSON header and the length of its data region.
+pub fn read_shard_header(path: &Path) -> (serde_json::Value, u64) {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).unwrap();
+    let len = file.metadata().unwrap().len();
+    let mut head = [0u8; 8];
+    file.read_exact(&mut head).unwrap();
+    let n = u64::from_le_bytes(head);
+    let mut json = vec![0u8; n as usize];
+    file.read_exact(&mut json).unwrap();
+    (serde_json::from_slice(&json).unwrap(), len - 8 - n)
+}
+
+/// Writes `header` as a safetensors file whose `data_len` data bytes are a sparse hole (the
+/// compiler and header checks read headers only).
+pub fn write_header_only_shard(path: &Path, header: &serde_json::Value, data_len: u64) {
+    let text = serde_json::to_vec(header).unwrap();
+    let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&text);
+    let _ = std::fs::remove_file(path); // may be a hard link of the original
+    std::fs::write(path, &bytes).unwrap();
+    std::fs::OpenOptions::new().write(true).open(path).unwrap().set_len(bytes.len() as u64 + data_len).unwrap();
+}
