@@ -102,7 +102,7 @@ fn first_shard() -> (PathBuf, Vec<u8>, u64) {
 }
 
 /// What `parse_header` promises of what it accepts: every tensor's data inside the data region,
-/// no two overlapping, known dtypes sized and aligned exactly.
+/// covering it exactly, known dtypes sized and aligned exactly.
 fn check_accepted(tensors: &[(String, kiln_runtime::safetensors::TensorHeader)], header_len: usize, file_len: u64) {
     let base = 8 + header_len as u64;
     let mut ranges: Vec<(u64, u64)> = Vec::new();
@@ -116,9 +116,13 @@ fn check_accepted(tensors: &[(String, kiln_runtime::safetensors::TensorHeader)],
         ranges.push((t.data_start, t.data_end));
     }
     ranges.sort();
-    for w in ranges.windows(2) {
-        assert!(w[1].0 >= w[0].1 || w[1].0 == w[1].1, "overlap accepted: {w:?}");
+    // The format's own rule: the data region is covered exactly, no holes, no overlaps.
+    let mut at = base;
+    for r in &ranges {
+        assert_eq!(r.0, at, "a hole or an overlap accepted at {r:?}");
+        at = r.1;
     }
+    assert_eq!(at, file_len, "trailing bytes accepted");
 }
 
 #[test]
@@ -163,7 +167,8 @@ fn safetensors_headers_never_panic_and_what_is_accepted_is_sound() {
             }
         }
     }
-    assert!(accepted > 100 && refused > 1000, "{accepted} accepted, {refused} refused");
+    // Both sides exercised: about 3 % of mutants stay valid safetensors (whitespace, names, values).
+    assert!(accepted * 100 > cases(3000) && refused * 3 > cases(3000), "{accepted} accepted, {refused} refused");
 }
 
 /// A copy of the tiny checkpoint whose small files are replaced (the shards are linked), and

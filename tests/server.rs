@@ -282,3 +282,38 @@ fn api_key_is_required_on_v1_only() {
     // Health and metrics stay open.
     assert_eq!(http(server.port, "GET", "/metrics", "").0, 200);
 }
+
+/// `kiln bench` (hyper-util's client) against a real server: every request streamed to the end,
+/// the token counts the server's own `/metrics` saw, the prefix cache hit the shared prefix, and a
+/// wrong API key fails the run with the server's answer, not a crash.
+#[test]
+fn bench_client_counts_what_the_server_served() {
+    let art = demo_artifact("bench");
+    let server = start(&art, &["--api-key", "k"]);
+    let port = server.port.to_string();
+    let bench = |key: &str| {
+        kiln()
+            .args(["bench", "--port", &port, "--api-key", key, "--num-prompts", "6", "--max-concurrency", "3"])
+            .args(["--random-input-len", "80", "--random-output-len", "5", "--shared-prefix-len", "64", "--json"])
+            .output()
+            .unwrap()
+    };
+    let o = bench("k");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&o.stdout)));
+    assert_eq!((r["completed"].as_u64(), r["failed"].as_u64()), (Some(6), Some(0)), "{r}");
+    assert_eq!(r["total_output_tokens"], 30, "{r}");
+    assert_eq!(r["total_input_tokens"], 480, "{r}");
+    // The 64 shared tokens fill one 64-token KV page, which every request after the first finds
+    // cached (or waits for while the first prefills it): 5 hits, or fewer if the first ones raced.
+    let cached = r["total_cached_tokens"].as_u64().unwrap();
+    assert!(cached >= 3 * 64 && cached <= 5 * 64, "{r}");
+    let (_, metrics) = http_auth(server.port, "/metrics", "k");
+    let sample = |name: &str| metrics.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok());
+    assert_eq!(sample("kiln_generation_tokens_total"), Some(30.0), "{metrics}");
+    assert_eq!(sample("kiln_prefix_cache_hit_tokens_total"), Some(cached as f64), "{metrics}");
+    // Every request refused: the bench fails, quoting the server's error.
+    let denied = bench("wrong");
+    let err = String::from_utf8_lossy(&denied.stderr);
+    assert!(!denied.status.success() && err.contains("6 of 6 requests failed") && err.contains("HTTP 401"), "{err}");
+}

@@ -1,98 +1,71 @@
-//! A minimal HTTP/1.1 client for the benchmark: one POST per connection, reading a streamed
-//! (chunked) response incrementally so each server-sent event is timed when it arrives.
+//! The benchmark's HTTP side on hyper-util's pooled client: a POST with a JSON body, the response
+//! body read frame by frame so each server-sent event is timed when it arrives. Only the SSE
+//! framing (events end at a blank line) is kiln's.
 
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::TcpStream;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::{connect::HttpConnector, Client as Pool};
+use hyper_util::rt::TokioExecutor;
+
+/// One client for the whole run: connections are kept alive and reused across requests.
+#[derive(Clone)]
+pub struct Client {
+    pool: Pool<HttpConnector, Full<Bytes>>,
+    base: String,
+    api_key: Option<String>,
+}
 
 pub struct Response {
     pub status: u16,
-    reader: BufReader<TcpStream>,
-    chunked: bool,
-    remaining_in_chunk: usize,
-    done: bool,
+    body: Incoming,
     pending: Vec<u8>,
 }
 
-/// Sends `POST path` with a JSON body to `host:port`.
-pub async fn post_json(host: &str, port: u16, path: &str, body: &str, api_key: Option<&str>) -> std::io::Result<Response> {
-    let mut stream = TcpStream::connect((host, port)).await?;
-    stream.set_nodelay(true)?;
-    let auth = api_key.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
-    let head = format!(
-        "POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\nAccept: text/event-stream\r\n{auth}Content-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await?;
-    stream.write_all(body.as_bytes()).await?;
-    let mut reader = BufReader::new(stream);
-    let mut line = String::new();
-    reader.read_line(&mut line).await?;
-    let status = line.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| bad(format!("bad status line {line:?}")))?;
-    let mut chunked = false;
-    loop {
-        line.clear();
-        reader.read_line(&mut line).await?;
-        if line == "\r\n" || line.is_empty() {
-            break;
-        }
-        let lower = line.to_ascii_lowercase();
-        if lower.starts_with("transfer-encoding:") && lower.contains("chunked") {
-            chunked = true;
-        }
-    }
-    Ok(Response { status, reader, chunked, remaining_in_chunk: 0, done: false, pending: Vec::new() })
+fn io_error(e: impl std::error::Error + Send + Sync + 'static) -> std::io::Error {
+    std::io::Error::other(e)
 }
 
-fn bad(message: String) -> std::io::Error {
-    std::io::Error::new(std::io::ErrorKind::InvalidData, message)
+impl Client {
+    pub fn new(host: &str, port: u16, api_key: Option<&str>) -> Client {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let pool = Pool::builder(TokioExecutor::new()).build(connector);
+        let host = if host.contains(':') { format!("[{host}]") } else { host.to_string() }; // IPv6 literal
+        Client { pool, base: format!("http://{host}:{port}"), api_key: api_key.map(str::to_string) }
+    }
+
+    /// Sends `POST path` with a JSON body; returns once the response head has arrived.
+    pub async fn post_json(&self, path: &str, body: String) -> std::io::Result<Response> {
+        let mut request = hyper::Request::post(format!("{}{path}", self.base))
+            .header("content-type", "application/json")
+            .header("accept", "text/event-stream");
+        if let Some(key) = &self.api_key {
+            request = request.header("authorization", format!("Bearer {key}"));
+        }
+        let request = request.body(Full::new(Bytes::from(body))).map_err(io_error)?;
+        let response = self.pool.request(request).await.map_err(io_error)?;
+        Ok(Response { status: response.status().as_u16(), body: response.into_body(), pending: Vec::new() })
+    }
 }
 
 impl Response {
     /// The next body bytes as they arrive; None at the end.
-    async fn read_some(&mut self) -> std::io::Result<Option<Vec<u8>>> {
-        if self.done {
-            return Ok(None);
-        }
-        if !self.chunked {
-            let mut buf = vec![0u8; 8192];
-            let n = self.reader.read(&mut buf).await?;
-            if n == 0 {
-                self.done = true;
-                return Ok(None);
+    async fn read_some(&mut self) -> std::io::Result<Option<Bytes>> {
+        while let Some(frame) = self.body.frame().await {
+            if let Ok(data) = frame.map_err(io_error)?.into_data() {
+                return Ok(Some(data));
             }
-            buf.truncate(n);
-            return Ok(Some(buf));
+            // Trailers carry no body bytes.
         }
-        if self.remaining_in_chunk == 0 {
-            let mut size = String::new();
-            self.reader.read_line(&mut size).await?;
-            if size.trim().is_empty() {
-                size.clear();
-                self.reader.read_line(&mut size).await?;
-            }
-            let n = usize::from_str_radix(size.trim().split(';').next().unwrap_or(""), 16).map_err(|_| bad(format!("bad chunk size {size:?}")))?;
-            if n == 0 {
-                self.done = true;
-                return Ok(None);
-            }
-            self.remaining_in_chunk = n;
-        }
-        let mut buf = vec![0u8; self.remaining_in_chunk.min(8192)];
-        let n = self.reader.read(&mut buf).await?;
-        if n == 0 {
-            self.done = true;
-            return Ok(None);
-        }
-        buf.truncate(n);
-        self.remaining_in_chunk -= n;
-        Ok(Some(buf))
+        Ok(None)
     }
 
     /// The whole body.
     pub async fn text(mut self) -> std::io::Result<String> {
         let mut all = std::mem::take(&mut self.pending);
         while let Some(b) = self.read_some().await? {
-            all.extend(b);
+            all.extend_from_slice(&b);
         }
         Ok(String::from_utf8_lossy(&all).into_owned())
     }
@@ -100,7 +73,7 @@ impl Response {
     /// The next `data:` payload of a server-sent event stream; None at the end.
     pub async fn next_event(&mut self) -> std::io::Result<Option<String>> {
         loop {
-            if let Some(end) = find(&self.pending, b"\n\n") {
+            if let Some(end) = self.pending.windows(2).position(|w| w == b"\n\n") {
                 let event: Vec<u8> = self.pending.drain(..end + 2).collect();
                 let text = String::from_utf8_lossy(&event);
                 let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data:")).map(|d| d.strip_prefix(' ').unwrap_or(d)).collect();
@@ -110,13 +83,9 @@ impl Response {
                 return Ok(Some(data.join("\n")));
             }
             match self.read_some().await? {
-                Some(b) => self.pending.extend(b),
+                Some(b) => self.pending.extend_from_slice(&b),
                 None => return Ok(None),
             }
         }
     }
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
 }

@@ -36,7 +36,7 @@ fn prompt(seed: u64, i: usize, len: usize, shared: usize) -> Vec<u32> {
     ids(u64::MAX, shared).chain(ids(i as u64, len - shared)).collect()
 }
 
-async fn one(opts: Arc<BenchOptions>, i: usize) -> RequestResult {
+async fn one(opts: Arc<BenchOptions>, client: http::Client, i: usize) -> RequestResult {
     let ids = prompt(opts.seed, i, opts.input_len, opts.shared_prefix_len);
     let mut body = serde_json::json!({
         "prompt": ids, "max_tokens": opts.output_len, "temperature": 0.0, "ignore_eos": true,
@@ -47,7 +47,7 @@ async fn one(opts: Arc<BenchOptions>, i: usize) -> RequestResult {
     }
     let mut r = RequestResult { input_tokens: opts.input_len, ..Default::default() };
     let start = Instant::now();
-    let mut resp = match http::post_json(&opts.host, opts.port, "/v1/completions", &body.to_string(), opts.api_key.as_deref()).await {
+    let mut resp = match client.post_json("/v1/completions", body.to_string()).await {
         Ok(resp) => resp,
         Err(e) => {
             r.error = e.to_string();
@@ -101,14 +101,15 @@ async fn one(opts: Arc<BenchOptions>, i: usize) -> RequestResult {
 /// Runs the benchmark; returns per-request results and the wall time.
 pub async fn run(opts: BenchOptions) -> (Vec<RequestResult>, f64) {
     let opts = Arc::new(opts);
+    let client = http::Client::new(&opts.host, opts.port, opts.api_key.as_deref());
     let sem = Arc::new(tokio::sync::Semaphore::new(opts.max_concurrency.max(1)));
     let start = Instant::now();
     let mut tasks = Vec::new();
     for i in 0..opts.num_prompts {
         let permit = sem.clone().acquire_owned().await.expect("semaphore open");
-        let o = opts.clone();
+        let (o, c) = (opts.clone(), client.clone());
         tasks.push(tokio::spawn(async move {
-            let r = one(o, i).await;
+            let r = one(o, c, i).await;
             drop(permit);
             r
         }));

@@ -12,7 +12,6 @@ use super::AppState;
 use kiln_engine::scheduler::{Event, FinishReason, GenerationRequest, Rejected};
 use kiln_engine::stop::StopMatcher;
 use kiln_engine::tokenizer::StreamDecoder;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
@@ -241,14 +240,14 @@ impl Generation {
         self.finished = true;
         self.rx.close();
         self.state.metrics.e2e.observe(self.started.elapsed().as_secs_f64());
-        self.state.metrics.requests_ok.fetch_add(1, Ordering::Relaxed);
+        self.state.metrics.requests_ok.inc();
         let usage = Usage { prompt_tokens: self.prompt_tokens, completion_tokens: self.generated, cached_tokens: self.cached_tokens };
         Piece::Done { reason, tail, usage }
     }
 
     fn fail(&mut self, request_id: &str, cause: impl std::fmt::Display) -> ApiError {
         self.finished = true;
-        self.state.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
+        self.state.metrics.requests_failed.inc();
         ApiError::internal(request_id, cause)
     }
 }

@@ -1,94 +1,121 @@
-//! Prometheus metrics: token counters, latency histograms, queue and KV gauges.
+//! Prometheus metrics on the `prometheus-client` crate (OpenMetrics text): token counters, latency
+//! histograms, queue and KV gauges.
 
 use kiln_engine::scheduler::EngineStats;
-use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use prometheus_client::encoding::text::{encode, encode_registry};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::Ordering;
 
-pub struct Histogram {
-    name: &'static str,
-    help: &'static str,
-    bounds: &'static [f64],
-    state: Mutex<(Vec<u64>, f64, u64)>, // bucket counts, sum, count
-}
-
-impl Histogram {
-    const fn new(name: &'static str, help: &'static str, bounds: &'static [f64]) -> Histogram {
-        Histogram { name, help, bounds, state: Mutex::new((Vec::new(), 0.0, 0)) }
-    }
-
-    pub fn observe(&self, v: f64) {
-        let mut s = self.state.lock().expect("metrics lock");
-        if s.0.is_empty() {
-            s.0 = vec![0; self.bounds.len()];
-        }
-        for (i, b) in self.bounds.iter().enumerate() {
-            if v <= *b {
-                s.0[i] += 1;
-            }
-        }
-        s.1 += v;
-        s.2 += 1;
-    }
-
-    fn render(&self, out: &mut String) {
-        let s = self.state.lock().expect("metrics lock");
-        let _ = writeln!(out, "# HELP {} {}\n# TYPE {} histogram", self.name, self.help, self.name);
-        for (i, b) in self.bounds.iter().enumerate() {
-            let _ = writeln!(out, "{}_bucket{{le=\"{b}\"}} {}", self.name, s.0.get(i).copied().unwrap_or(0));
-        }
-        let _ = writeln!(out, "{}_bucket{{le=\"+Inf\"}} {}\n{}_sum {}\n{}_count {}", self.name, s.2, self.name, s.1, self.name, s.2);
-    }
-}
+/// What `/metrics` answers with: the OpenMetrics text format the encoder writes.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 const LATENCY: &[f64] = &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 
+/// The server's own metrics; the engine's counters are read at each scrape.
 pub struct Metrics {
+    registry: Registry,
     pub ttft: Histogram,
     pub itl: Histogram,
     pub e2e: Histogram,
-    pub requests_ok: AtomicU64,
-    pub requests_failed: AtomicU64,
+    pub requests_ok: Counter,
+    pub requests_failed: Counter,
 }
 
 impl Default for Metrics {
     fn default() -> Self {
-        Metrics {
-            ttft: Histogram::new("kiln_time_to_first_token_seconds", "Time from request to first generated token.", LATENCY),
-            itl: Histogram::new("kiln_inter_token_latency_seconds", "Time between consecutive generated tokens.", LATENCY),
-            e2e: Histogram::new("kiln_e2e_request_latency_seconds", "Time from request to last token.", LATENCY),
-            requests_ok: AtomicU64::new(0),
-            requests_failed: AtomicU64::new(0),
-        }
+        let latency = || Histogram::new(LATENCY.iter().copied());
+        let m = Metrics {
+            registry: Registry::default(),
+            ttft: latency(),
+            itl: latency(),
+            e2e: latency(),
+            requests_ok: Counter::default(),
+            requests_failed: Counter::default(),
+        };
+        let mut registry = Registry::default();
+        // Counters are registered without `_total`: the encoder appends it to the sample name.
+        registry.register("kiln_requests_succeeded", "Requests that finished.", m.requests_ok.clone());
+        registry.register("kiln_requests_failed", "Requests answered with an error.", m.requests_failed.clone());
+        registry.register("kiln_time_to_first_token_seconds", "Time from request to first generated token.", m.ttft.clone());
+        registry.register("kiln_inter_token_latency_seconds", "Time between consecutive generated tokens.", m.itl.clone());
+        registry.register("kiln_e2e_request_latency_seconds", "Time from request to last token.", m.e2e.clone());
+        Metrics { registry, ..m }
     }
 }
 
 impl Metrics {
+    /// The whole exposition: the engine's counters and gauges (once it is loaded), then the
+    /// server's own, then the OpenMetrics `# EOF`.
     pub fn render(&self, engine: Option<&EngineStats>) -> String {
         let mut out = String::new();
-        let mut metric = |name: &str, kind: &str, help: &str, value: f64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
-        };
         if let Some(e) = engine {
-            let used = e.kv_pages_used.load(Ordering::SeqCst) as f64;
-            let total = e.kv_pages_total.load(Ordering::SeqCst).max(1) as f64;
-            metric("kiln_prompt_tokens_total", "counter", "Prompt tokens processed.", e.prompt_tokens.load(Ordering::Relaxed) as f64);
-            metric("kiln_generation_tokens_total", "counter", "Tokens generated.", e.generation_tokens.load(Ordering::Relaxed) as f64);
-            metric("kiln_requests_running", "gauge", "Sequences being generated.", e.running.load(Ordering::SeqCst) as f64);
-            metric("kiln_requests_waiting", "gauge", "Requests waiting for admission.", e.waiting.load(Ordering::SeqCst) as f64);
-            metric("kiln_kv_cache_pages_used", "gauge", "KV cache pages in use.", used);
-            metric("kiln_kv_cache_usage_ratio", "gauge", "Fraction of KV cache pages in use.", used / total);
-            metric("kiln_kv_cache_pages_cached", "gauge", "Cached KV pages no request holds (reusable, evicted when needed).", e.kv_pages_cached.load(Ordering::SeqCst) as f64);
-            metric("kiln_prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache.", e.prompt_tokens_cached.load(Ordering::Relaxed) as f64);
-            metric("kiln_prefix_cache_evictions_total", "counter", "Cached KV pages evicted to make room.", e.prefix_cache_evictions.load(Ordering::Relaxed) as f64);
-            metric("kiln_non_finite_logits_total", "counter", "Requests failed because the model produced NaN or Inf logits.", e.non_finite.load(Ordering::Relaxed) as f64);
-            metric("kiln_preemptions_total", "counter", "Running requests preempted to free KV pages (recomputed on resume).", e.preemptions.load(Ordering::Relaxed) as f64);
+            // A snapshot registry per scrape: the engine owns these atomics, not the registry.
+            let _ = encode_registry(&mut out, &engine_snapshot(e));
         }
-        metric("kiln_requests_succeeded_total", "counter", "Requests that finished.", self.requests_ok.load(Ordering::Relaxed) as f64);
-        metric("kiln_requests_failed_total", "counter", "Requests answered with an error.", self.requests_failed.load(Ordering::Relaxed) as f64);
-        self.ttft.render(&mut out);
-        self.itl.render(&mut out);
-        self.e2e.render(&mut out);
+        let _ = encode(&mut out, &self.registry);
         out
+    }
+}
+
+fn engine_snapshot(e: &EngineStats) -> Registry {
+    let mut r = Registry::default();
+    let count = |a: &std::sync::atomic::AtomicU64| ConstCounter::new(a.load(Ordering::Relaxed));
+    let level = |a: &std::sync::atomic::AtomicUsize| ConstGauge::new(a.load(Ordering::SeqCst) as i64);
+    let used = e.kv_pages_used.load(Ordering::SeqCst) as f64;
+    let total = e.kv_pages_total.load(Ordering::SeqCst).max(1) as f64;
+    r.register("kiln_prompt_tokens", "Prompt tokens processed.", count(&e.prompt_tokens));
+    r.register("kiln_generation_tokens", "Tokens generated.", count(&e.generation_tokens));
+    r.register("kiln_requests_running", "Sequences being generated.", level(&e.running));
+    r.register("kiln_requests_waiting", "Requests waiting for admission.", level(&e.waiting));
+    r.register("kiln_kv_cache_pages_used", "KV cache pages in use.", level(&e.kv_pages_used));
+    r.register("kiln_kv_cache_usage_ratio", "Fraction of KV cache pages in use.", ConstGauge::new(used / total));
+    r.register("kiln_kv_cache_pages_cached", "Cached KV pages no request holds (reusable, evicted when needed).", level(&e.kv_pages_cached));
+    r.register("kiln_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", count(&e.prompt_tokens_cached));
+    r.register("kiln_prefix_cache_evictions", "Cached KV pages evicted to make room.", count(&e.prefix_cache_evictions));
+    r.register("kiln_non_finite_logits", "Requests failed because the model produced NaN or Inf logits.", count(&e.non_finite));
+    r.register("kiln_preemptions", "Running requests preempted to free KV pages (recomputed on resume).", count(&e.preemptions));
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sample value of `name` (a whole line `name value`).
+    fn sample(text: &str, name: &str) -> Option<f64> {
+        text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn exposition_keeps_kiln_metric_names_and_counts() {
+        let m = Metrics::default();
+        m.requests_ok.inc_by(3);
+        for v in [0.002, 0.2, 7.0] {
+            m.ttft.observe(v);
+        }
+        let e = EngineStats::default();
+        e.generation_tokens.store(42, Ordering::Relaxed);
+        e.kv_pages_used.store(3, Ordering::SeqCst);
+        e.kv_pages_total.store(12, Ordering::SeqCst);
+        let text = m.render(Some(&e));
+        assert_eq!(sample(&text, "kiln_requests_succeeded_total"), Some(3.0), "{text}");
+        assert_eq!(sample(&text, "kiln_requests_failed_total"), Some(0.0));
+        assert_eq!(sample(&text, "kiln_generation_tokens_total"), Some(42.0));
+        assert_eq!(sample(&text, "kiln_kv_cache_pages_used"), Some(3.0));
+        assert_eq!(sample(&text, "kiln_kv_cache_usage_ratio"), Some(0.25));
+        // Cumulative buckets as Prometheus defines them: le=0.005 holds 1, le=0.25 holds 2.
+        assert_eq!(sample(&text, "kiln_time_to_first_token_seconds_bucket{le=\"0.005\"}"), Some(1.0), "{text}");
+        assert_eq!(sample(&text, "kiln_time_to_first_token_seconds_bucket{le=\"0.25\"}"), Some(2.0));
+        assert_eq!(sample(&text, "kiln_time_to_first_token_seconds_bucket{le=\"+Inf\"}"), Some(3.0));
+        assert_eq!(sample(&text, "kiln_time_to_first_token_seconds_count"), Some(3.0));
+        assert!((sample(&text, "kiln_time_to_first_token_seconds_sum").unwrap() - 7.202).abs() < 1e-9);
+        assert!(text.contains("# TYPE kiln_generation_tokens counter"), "{text}");
+        assert!(text.ends_with("# EOF\n"), "one OpenMetrics message");
+        // Before the engine is loaded only the server's own metrics are there.
+        let early = m.render(None);
+        assert!(sample(&early, "kiln_generation_tokens_total").is_none() && sample(&early, "kiln_requests_succeeded_total").is_some());
     }
 }

@@ -133,7 +133,7 @@ async fn models(State(state): State<AppState>) -> Response {
 async fn metrics(State(state): State<AppState>) -> Response {
     let engine = state.loaded.get().map(|l| l.engine.stats.clone());
     let body = state.metrics.render(engine.as_deref());
-    ([("content-type", "text/plain; version=0.0.4")], body).into_response()
+    ([("content-type", metrics::CONTENT_TYPE)], body).into_response()
 }
 
 /// Binds, then loads the model with `load` in the background (health answers 503 meanwhile),

@@ -4,6 +4,7 @@
 use crate::error::CompileError;
 use kiln_runtime::plan::DType;
 pub use kiln_runtime::safetensors::TensorHeader;
+use safetensors::tensor::{Metadata, TensorInfo};
 use std::io::Write;
 use std::path::Path;
 
@@ -31,16 +32,16 @@ impl TensorToWrite<'_> {
 /// Writes a safetensors file. Tensors without data become holes (`set_len`), so a full-size
 /// checkpoint skeleton costs only its headers on disk.
 pub fn write_file(path: &Path, tensors: &[TensorToWrite<'_>]) -> Result<u64, CompileError> {
-    let mut header = serde_json::Map::new();
-    let mut offset = 0u64;
+    let mut infos = Vec::with_capacity(tensors.len());
+    let mut offset = 0usize;
     for t in tensors {
-        let end = offset + t.bytes();
-        header.insert(
-            t.name.clone(),
-            serde_json::json!({"dtype": t.dtype.safetensors_name(), "shape": t.shape, "data_offsets": [offset, end]}),
-        );
+        let end = offset + t.bytes() as usize;
+        let info = TensorInfo { dtype: t.dtype.to_safetensors(), shape: t.shape.clone(), data_offsets: (offset, end) };
+        infos.push((t.name.clone(), info));
         offset = end;
     }
+    // The crate checks the table and writes it in its own field order.
+    let header = Metadata::new(None, infos).map_err(|e| CompileError::Safetensors { path: path.to_path_buf(), message: e.to_string() })?;
     let mut json = serde_json::to_vec(&header).expect("header serialises");
     while json.len() % 8 != 0 {
         json.push(b' ');

@@ -38,6 +38,19 @@ impl DType {
         }
     }
 
+    /// The `safetensors` crate's name for this dtype.
+    pub fn to_safetensors(self) -> safetensors::Dtype {
+        match self {
+            DType::BF16 => safetensors::Dtype::BF16,
+            DType::F16 => safetensors::Dtype::F16,
+            DType::F32 => safetensors::Dtype::F32,
+            DType::U8 => safetensors::Dtype::U8,
+            DType::F8E4M3 => safetensors::Dtype::F8_E4M3,
+            DType::I32 => safetensors::Dtype::I32,
+            DType::I64 => safetensors::Dtype::I64,
+        }
+    }
+
     pub fn from_safetensors_name(name: &str) -> Option<DType> {
         Some(match name {
             "BF16" => DType::BF16,
