@@ -32,6 +32,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     Synth(commands::synth::Args),
+    Quantize(commands::quantize::Args),
     Compile(commands::compile::Args),
     Inspect(commands::inspect::Args),
     Run(commands::run::Args),
@@ -55,6 +56,7 @@ fn main() -> ExitCode {
         Command::Inspect(a) => commands::inspect::run(a),
         Command::Logits(a) => commands::logits::run(a),
         Command::Synth(a) => commands::synth::run(a),
+        Command::Quantize(a) => commands::quantize::run(a),
         Command::Verify(a) => commands::verify::run(a),
         Command::VerifyWeights(a) => commands::verify_weights::run(a),
         Command::Doctor(a) => commands::doctor::run(a),

@@ -66,6 +66,11 @@ impl CheckpointFiles {
         self.tensors.get(name).map(|(f, h)| (self.files[*f].0.as_str(), h))
     }
 
+    /// Every tensor's name, in no particular order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
     /// The raw bytes of a tensor.
     pub fn data(&self, name: &str) -> Option<&[u8]> {
         let (f, h) = self.tensors.get(name)?;

@@ -4,6 +4,7 @@ pub mod doctor;
 pub mod emu;
 pub mod inspect;
 pub mod logits;
+pub mod quantize;
 pub mod run;
 pub mod synth;
 pub mod serve;

@@ -5,8 +5,11 @@
 //! shards whose data regions are sparse holes (compile the real geometry without 440 GB of disk).
 
 mod layout;
+mod quantize;
 pub mod tokenizer;
 mod write;
+
+pub use quantize::{quantize, QuantizeReport, GLM5_NVFP4_EXCLUDES};
 
 pub use layout::{checkpoint_tensors, SynthSpec, SynthTensor, TensorInit};
 
@@ -34,13 +37,13 @@ pub fn synth(preset: &str, out: &Path, seed: u64) -> Result<SynthReport, Compile
             write::write_text(out, "config.json", &spec.config_json())?;
             write::write_text(out, "hf_quant_config.json", &spec.quant_json())?;
             tokenizer::write_tokenizer_files(out, &spec)?;
-            write::write_checkpoint(out, &spec, 2, seed, true)
+            write::write_checkpoint(out, &spec, 2, &write::Values::Random { seed })
         }
         "glm5" => {
             let spec = SynthSpec::from_config(GLM5_CONFIG, GLM5_QUANT_CONFIG)?;
             write::write_text(out, "config.json", GLM5_CONFIG)?;
             write::write_text(out, "hf_quant_config.json", GLM5_QUANT_CONFIG)?;
-            write::write_checkpoint(out, &spec, spec.layers + spec.mtp_layers + 2, seed, false)
+            write::write_checkpoint(out, &spec, spec.layers + spec.mtp_layers + 2, &write::Values::Holes)
         }
         other => Err(CompileError::Option {
             option: "PRESET".into(),
