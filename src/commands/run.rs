@@ -4,6 +4,7 @@ use kiln_engine::forward::Forward;
 use kiln_engine::scheduler::{self, Event, GenerationRequest};
 use kiln_engine::sampling::SamplingParams;
 use kiln_engine::tokenizer::{StreamDecoder, Tokenizer};
+use kiln_engine::tool_calls::{OutputDelta, OutputParser};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -22,9 +23,13 @@ pub struct Args {
     pub check_weights: bool,
     #[arg(long)]
     pub prompt: String,
-    /// Render the prompt as one user message through the model's chat template.
+    /// Render the prompt as one user message through the model's chat template, and print the
+    /// reply as the server splits it: `thinking:` (reasoning_content), then `answer:` (content).
     #[arg(long)]
     pub chat: bool,
+    /// With --chat: the template's thinking-off form (`enable_thinking: false`), the answer only.
+    #[arg(long, requires = "chat")]
+    pub no_thinking: bool,
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
     /// 0 = greedy.
@@ -62,7 +67,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let text = if a.chat {
         let template = ChatTemplate::from_dir(&text_dir)?;
         let messages = serde_json::json!([{"role": "user", "content": a.prompt}]);
-        template.render(&ChatInput::from_json(&messages, None))?
+        let mut input = ChatInput::from_json(&messages, None);
+        if a.no_thinking {
+            input.chat_template_kwargs.insert("enable_thinking".into(), serde_json::json!(false).into());
+        }
+        template.render(&input)?
     } else {
         a.prompt.clone()
     };
@@ -85,6 +94,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     engine.submit(request, Box::new(move |e| tx.send(e).is_ok())).map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut out = std::io::stdout().lock();
     let mut decoder = StreamDecoder::default();
+    let mut reply = a.chat.then(|| Reply { parser: OutputParser::new(!a.no_thinking, None), shown: Shown::Nothing });
     let (mut prefill_s, mut first_token, mut generated) = (0.0, None, 0usize);
     for event in rx {
         match event {
@@ -94,10 +104,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             Event::Token { id, .. } => {
                 first_token.get_or_insert_with(Instant::now);
                 generated += 1;
-                write!(out, "{}", decoder.push(&tok, id)?)?;
+                let text = decoder.push(&tok, id)?;
+                match &mut reply {
+                    Some(r) => r.show(&mut out, |p| p.push(&text))?,
+                    None => write!(out, "{text}")?,
+                }
                 out.flush()?;
             }
-            Event::Finished { .. } => break,
+            Event::Finished { .. } => {
+                if let Some(r) = &mut reply {
+                    r.show(&mut out, OutputParser::finish)?;
+                }
+                break;
+            }
             Event::Error(e) => anyhow::bail!("generation failed: {e}"),
         }
     }
@@ -111,4 +130,40 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         generated.saturating_sub(1) as f64 / decode_s.max(1e-9)
     );
     Ok(())
+}
+
+/// A chat reply printed as it streams, split the way the server splits it.
+struct Reply {
+    parser: OutputParser,
+    shown: Shown,
+}
+
+#[derive(PartialEq)]
+enum Shown {
+    Nothing,
+    Thinking,
+    Answer,
+}
+
+impl Reply {
+    fn show(&mut self, out: &mut impl Write, step: impl FnOnce(&mut OutputParser) -> OutputDelta) -> std::io::Result<()> {
+        let d = step(&mut self.parser);
+        if !d.reasoning.is_empty() {
+            if self.shown == Shown::Nothing {
+                write!(out, "thinking: ")?;
+                self.shown = Shown::Thinking;
+            }
+            write!(out, "{}", d.reasoning)?;
+        }
+        if !d.content.is_empty() {
+            match self.shown {
+                Shown::Nothing => write!(out, "answer: ")?,
+                Shown::Thinking => write!(out, "\nanswer: ")?,
+                Shown::Answer => {}
+            }
+            self.shown = Shown::Answer;
+            write!(out, "{}", d.content)?;
+        }
+        Ok(())
+    }
 }
