@@ -1,0 +1,165 @@
+//! The trained demo model (artifacts/demo-model: GLM-5 architecture, ModelOpt NVFP4, trained by
+//! scripts/demo_model/train.py) answers for real, on every backend:
+//! - through `kiln serve` (CPU backend) and the official openai client, held-out arithmetic with
+//!   thinking on and off and held-out weather questions that must become the right `get_weather`
+//!   call: at least 95 % each (tests/server/test_demo_model.py);
+//! - on the PTX emulator (an `sm_120a --tp 2` compile, every step as its kernels) ten held-out
+//!   questions get the CPU backend's exact text;
+//! - whole logit rows of the emulator against the CPU backend on a long tool-call conversation
+//!   (the DSA indexer drops tokens there), median and worst reported.
+//! Held-out questions are drawn by scripts/demo_model/data.py (the one definition of the split).
+//!
+//! Ignored until the trained checkpoint lands: artifacts/demo-model is written by
+//! scripts/demo_model/train.sh, and the first training run did not reach the bar yet (see
+//! scripts/demo_model/README.md). Run with `cargo test --test demo_model -- --ignored`.
+
+mod common;
+
+use common::serve;
+use kiln_runtime::session::{BackendKind, LogitRows, Session, SessionOptions};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn demo() -> PathBuf {
+    root().join("artifacts/demo-model")
+}
+
+fn kiln() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-demo-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn compile(name: &str, target: &str, tp: usize) -> PathBuf {
+    let art = scratch(name);
+    let o = kiln()
+        .arg("compile")
+        .arg(demo())
+        .args(["--target", target, "--tp", &tp.to_string(), "--no-ptxas", "--max-context", "1024", "--decode-batches", "1,2,4,8,16", "-o"])
+        .arg(&art)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "kiln compile failed:\n{}", String::from_utf8_lossy(&o.stderr));
+    art
+}
+
+/// The python that has the openai client (scripts/test.sh sets KILN_PYTHON), or None outside CI.
+fn python() -> Option<String> {
+    let python = std::env::var("KILN_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&python).args(["-c", "import openai"]).status().map(|s| s.success()).unwrap_or(false);
+    if !ok {
+        assert!(std::env::var("CI").is_err(), "CI must provide the openai client ({python})");
+        eprintln!("SKIPPED: `{python} -c 'import openai'` failed (set KILN_PYTHON)");
+        return None;
+    }
+    Some(python)
+}
+
+/// `n` held-out arithmetic questions with their answers, from data.py.
+fn held_out_arithmetic(python: &str, n: usize, seed: u64) -> Vec<(String, i64)> {
+    let code = format!(
+        "import json, sys; sys.path.insert(0, 'scripts/demo_model'); import data; \
+         print(json.dumps([[i['question'], i['answer']] for i in data.draw_eval_arith({n}, seed={seed})]))"
+    );
+    let o = Command::new(python).args(["-c", &code]).current_dir(root()).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+#[test]
+#[ignore = "needs the trained artifacts/demo-model (scripts/demo_model/train.sh)"]
+fn answers_held_out_questions_through_the_openai_client() {
+    let Some(python) = python() else { return };
+    let art = compile("serve", "cpu", 2);
+    let mut serve_cmd = kiln();
+    serve_cmd.arg("serve").arg(&art).args(["--served-model-name", "kiln-demo"]);
+    let server = serve::start(serve_cmd, Duration::from_secs(60));
+    let script = root().join("tests/server/test_demo_model.py");
+    let o = Command::new(&python)
+        .arg(&script)
+        .env("KILN_BASE_URL", format!("http://127.0.0.1:{}", server.port))
+        .env("KILN_MODEL", "kiln-demo")
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&o.stdout);
+    eprintln!("{report}");
+    assert!(o.status.success(), "the demo model missed its bar:\n{report}\n{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// `kiln run --chat --no-thinking` of one question on a backend; the printed reply.
+fn answer(art: &Path, backend: &str, question: &str) -> String {
+    let o = kiln()
+        .arg("run")
+        .arg(art)
+        .args(["--backend", backend, "--chat", "--no-thinking", "--max-tokens", "24", "--prompt", question])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "kiln run --backend {backend} failed:\n{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout).unwrap()
+}
+
+#[test]
+#[ignore = "needs the trained artifacts/demo-model (scripts/demo_model/train.sh)"]
+fn the_emulator_gives_the_cpu_answers() {
+    let Some(python) = python() else { return };
+    let art = compile("emu", "sm_120a", 2);
+    let questions = held_out_arithmetic(&python, 10, 3);
+    let mut right = 0;
+    for (q, want) in &questions {
+        let cpu = answer(&art, "cpu", q);
+        let emu = answer(&art, "emu", q);
+        eprintln!("{q} -> cpu {cpu:?}, emu {emu:?}");
+        assert_eq!(emu, cpu, "{q}: the emulator's kernels answer differently from the CPU backend");
+        right += cpu.trim().ends_with(&format!("= {want}")) as usize;
+    }
+    assert!(right >= 9, "only {right} of 10 held-out answers right on the sm_120a plan");
+}
+
+/// Relative L2 distance of two rows.
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+/// The emulator's logit rows against the CPU backend's on the same sm_120a plan, over the golden
+/// conversation (a held-out tool call exchange of a few hundred tokens), prefilled in chunks.
+///
+/// Tolerance: both backends store BF16 at the same points and quantise NVFP4 activations alike;
+/// they differ only where attention's exp and sum order differ (one BF16 ulp on some values).
+/// On random weights that ulp can flip an E2M1 code and rows drift by tens of percent
+/// (tests/emu_logits.rs); a trained model's activations sit away from rounding boundaries often
+/// enough that rows stay close: the median row within 1e-3, the worst within 5 %, every argmax
+/// equal.
+#[test]
+#[ignore = "needs the trained artifacts/demo-model (scripts/demo_model/train.sh)"]
+fn emulator_logit_rows_track_the_cpu() {
+    let golden = root().join("tests/goldens/demo/golden.json");
+    let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(golden).unwrap()).unwrap();
+    let ids: Vec<u32> = meta["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let art = compile("rows", "sm_120a", 2);
+    let rows = |backend| {
+        let mut s = Session::open(&art, None, SessionOptions { backend, ..SessionOptions::default() }).unwrap();
+        let seq = s.new_sequence();
+        s.prefill(seq, &ids, LogitRows::All).unwrap().to_vec()
+    };
+    let (cpu, emu) = (rows(BackendKind::Cpu), rows(BackendKind::Emu));
+    let vocab = cpu.len() / ids.len();
+    let mut errs: Vec<f64> = cpu.chunks_exact(vocab).zip(emu.chunks_exact(vocab)).map(|(c, e)| rel_l2(e, c)).collect();
+    let argmax = |r: &[f32]| (0..r.len()).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap();
+    let same = cpu.chunks_exact(vocab).zip(emu.chunks_exact(vocab)).filter(|(c, e)| argmax(c) == argmax(e)).count();
+    errs.sort_by(f64::total_cmp);
+    let (median, worst) = (errs[errs.len() / 2], errs[errs.len() - 1]);
+    eprintln!("demo model, emulator vs CPU over {} rows: median {median:.2e}, worst {worst:.2e}, argmax equal on {same}", ids.len());
+    assert!(median <= 1e-3 && worst <= 5e-2 && same == ids.len(), "median {median:e}, worst {worst:e}, argmax {same}/{}", ids.len());
+}
