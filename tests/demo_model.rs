@@ -53,18 +53,6 @@ fn compile(name: &str, target: &str, tp: usize) -> PathBuf {
     art
 }
 
-/// The python that has the openai client (scripts/test.sh sets KILN_PYTHON), or None outside CI.
-fn python() -> Option<String> {
-    let python = std::env::var("KILN_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&python).args(["-c", "import openai"]).status().map(|s| s.success()).unwrap_or(false);
-    if !ok {
-        assert!(std::env::var("CI").is_err(), "CI must provide the openai client ({python})");
-        eprintln!("SKIPPED: `{python} -c 'import openai'` failed (set KILN_PYTHON)");
-        return None;
-    }
-    Some(python)
-}
-
 /// `n` held-out arithmetic questions with their answers, from data.py.
 fn held_out_arithmetic(python: &str, n: usize, seed: u64) -> Vec<(String, i64)> {
     let code = format!(
@@ -79,7 +67,7 @@ fn held_out_arithmetic(python: &str, n: usize, seed: u64) -> Vec<(String, i64)> 
 #[test]
 #[ignore = "needs the trained artifacts/demo-model (scripts/demo_model/train.sh)"]
 fn answers_held_out_questions_through_the_openai_client() {
-    let Some(python) = python() else { return };
+    let Some(python) = serve::python_with_openai() else { return };
     let art = compile("serve", "cpu", 2);
     let mut serve_cmd = kiln();
     serve_cmd.arg("serve").arg(&art).args(["--served-model-name", "kiln-demo"]);
@@ -111,7 +99,7 @@ fn answer(art: &Path, backend: &str, question: &str) -> String {
 #[test]
 #[ignore = "needs the trained artifacts/demo-model (scripts/demo_model/train.sh)"]
 fn the_emulator_gives_the_cpu_answers() {
-    let Some(python) = python() else { return };
+    let Some(python) = serve::python_with_openai() else { return };
     let art = compile("emu", "sm_120a", 2);
     let questions = held_out_arithmetic(&python, 10, 3);
     let mut right = 0;

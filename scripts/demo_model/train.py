@@ -247,8 +247,7 @@ def indexer_kl(state: IndexerState, token_mask: torch.Tensor) -> tuple[torch.Ten
         kl = (p * (torch.log(p.clamp(min=1e-9)) - logq.masked_fill(~sel, 0.0))).sum(-1)  # [B, S]
         losses.append((kl * token_mask).sum() / token_mask.sum())
         with torch.no_grad():
-            k = 32
-            top = scores.detach().topk(min(k, scores.shape[-1]), dim=-1).indices
+            top = scores.detach().topk(min(CONFIG["index_topk"], scores.shape[-1]), dim=-1).indices
             mass = torch.gather(attn.sum(1) / attn.shape[1], -1, top).sum(-1)
             recalls.append(float((mass * token_mask).sum() / token_mask.sum()))
     return torch.stack(losses).mean(), sum(recalls) / len(recalls)

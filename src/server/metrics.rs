@@ -27,22 +27,16 @@ pub struct Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         let latency = || Histogram::new(LATENCY.iter().copied());
-        let m = Metrics {
-            registry: Registry::default(),
-            ttft: latency(),
-            itl: latency(),
-            e2e: latency(),
-            requests_ok: Counter::default(),
-            requests_failed: Counter::default(),
-        };
+        let (ttft, itl, e2e) = (latency(), latency(), latency());
+        let (requests_ok, requests_failed) = (Counter::default(), Counter::default());
         let mut registry = Registry::default();
         // Counters are registered without `_total`: the encoder appends it to the sample name.
-        registry.register("kiln_requests_succeeded", "Requests that finished.", m.requests_ok.clone());
-        registry.register("kiln_requests_failed", "Requests answered with an error.", m.requests_failed.clone());
-        registry.register("kiln_time_to_first_token_seconds", "Time from request to first generated token.", m.ttft.clone());
-        registry.register("kiln_inter_token_latency_seconds", "Time between consecutive generated tokens.", m.itl.clone());
-        registry.register("kiln_e2e_request_latency_seconds", "Time from request to last token.", m.e2e.clone());
-        Metrics { registry, ..m }
+        registry.register("kiln_requests_succeeded", "Requests that finished.", requests_ok.clone());
+        registry.register("kiln_requests_failed", "Requests answered with an error.", requests_failed.clone());
+        registry.register("kiln_time_to_first_token_seconds", "Time from request to first generated token.", ttft.clone());
+        registry.register("kiln_inter_token_latency_seconds", "Time between consecutive generated tokens.", itl.clone());
+        registry.register("kiln_e2e_request_latency_seconds", "Time from request to last token.", e2e.clone());
+        Metrics { registry, ttft, itl, e2e, requests_ok, requests_failed }
     }
 }
 

@@ -60,15 +60,22 @@ pub fn openai_client_suite(port: u16, what: &str) {
     openai_client_script(port, "test_openai_client.py", what)
 }
 
-/// Runs `tests/server/<script>` with the official client against the server on `port`.
-pub fn openai_client_script(port: u16, script: &str, what: &str) {
+/// The python that has the official `openai` client (scripts/test.sh sets KILN_PYTHON); None,
+/// with a note, only outside CI.
+pub fn python_with_openai() -> Option<String> {
     let python = std::env::var("KILN_PYTHON").unwrap_or_else(|_| "python3".into());
     let has_openai = Command::new(&python).args(["-c", "import openai"]).status().map(|s| s.success()).unwrap_or(false);
     if !has_openai {
         assert!(std::env::var("CI").is_err(), "CI must provide the openai client ({python})");
         eprintln!("SKIPPED the openai client tests: `{python} -c 'import openai'` failed (set KILN_PYTHON)");
-        return;
+        return None;
     }
+    Some(python)
+}
+
+/// Runs `tests/server/<script>` with the official client against the server on `port`.
+pub fn openai_client_script(port: u16, script: &str, what: &str) {
+    let Some(python) = python_with_openai() else { return };
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/server").join(script);
     let out = Command::new(&python).arg(&script).env("KILN_BASE_URL", format!("http://127.0.0.1:{port}")).env("KILN_MODEL", "kiln-tiny").output().unwrap();
     let report = String::from_utf8_lossy(&out.stdout);

@@ -40,27 +40,27 @@ pub fn quantize(source: &Path, calibration: &Path, out: &Path) -> Result<Quantiz
 
     let files = CheckpointFiles::open(source).map_err(|e| CompileError::Safetensors { path: source.to_path_buf(), message: e.to_string() })?;
     let table = checkpoint_tensors(&spec);
-    // Nothing of the source may be lost: every tensor it has must have a place in the table.
-    let expected: BTreeSet<String> = table
-        .iter()
-        .map(|t| match &t.init {
-            super::TensorInit::Nvfp4 { module, .. } => format!("{module}.weight"),
-            _ => t.name.clone(),
-        })
-        .collect();
+    // Nothing of the source may be lost: every tensor it has must have a place in the table
+    // (an NVFP4 linear's place is its BF16 `.weight`).
+    let mut expected = BTreeSet::new();
+    let mut modules = BTreeSet::new();
+    for t in &table {
+        match &t.init {
+            super::TensorInit::Nvfp4 { module, .. } => {
+                expected.insert(format!("{module}.weight"));
+                modules.insert(module.as_str());
+            }
+            _ => {
+                expected.insert(t.name.clone());
+            }
+        }
+    }
     if let Some(extra) = files.names().find(|n| !expected.contains(*n)) {
         return Err(CompileError::Safetensors {
             path: source.to_path_buf(),
             message: format!("tensor `{extra}` is not part of a glm_moe_dsa checkpoint with this config.json; kiln quantize would drop it"),
         });
     }
-    let modules: BTreeSet<&str> = table
-        .iter()
-        .filter_map(|t| match &t.init {
-            super::TensorInit::Nvfp4 { module, .. } => Some(module.as_str()),
-            _ => None,
-        })
-        .collect();
     if let Some(stray) = input_amax.keys().find(|m| !modules.contains(m.as_str())) {
         return Err(CompileError::Option {
             option: "--calibration".into(),

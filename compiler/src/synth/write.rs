@@ -9,7 +9,7 @@ use crate::checkpoint::safetensors::{write_file, TensorToWrite};
 use crate::checkpoint::INDEX_FILE;
 use crate::error::CompileError;
 use kiln_runtime::bind::CheckpointFiles;
-use kiln_runtime::numerics::{bf16_to_f32, f32_to_bf16, quantize_nvfp4};
+use kiln_runtime::numerics::{bf16_to_f32, f32_to_bf16, quantize_nvfp4, E4M3_MAX};
 use kiln_runtime::plan::DType;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -29,9 +29,6 @@ pub enum Values<'a> {
     /// weights, `input_scale = amax / (6 * 448)` from each module's calibrated input amax.
     Trained { source: &'a CheckpointFiles, input_amax: &'a BTreeMap<String, f32> },
 }
-
-/// FP4's largest magnitude times FP8 E4M3's: ModelOpt's divisor for every global scale.
-const FP4_TIMES_FP8_MAX: f32 = 6.0 * 448.0;
 
 /// Splits the tensor groups over `shards` files and writes them plus the index.
 pub fn write_checkpoint(dir: &Path, spec: &SynthSpec, shards: usize, values: &Values) -> Result<SynthReport, CompileError> {
@@ -115,7 +112,8 @@ fn trained_bytes(
         if !(amax.is_finite() && amax > 0.0) {
             return Err(CompileError::Option { option: "--calibration".into(), message: format!("`{module}`: input amax {amax} is not a positive finite number") });
         }
-        return Ok((amax / FP4_TIMES_FP8_MAX).to_le_bytes().to_vec());
+        // ModelOpt's static scale: FP4's largest magnitude times FP8 E4M3's maps amax to the top.
+        return Ok((amax / (6.0 * E4M3_MAX)).to_le_bytes().to_vec());
     }
     let (packed, scales, scale_2) = quantised.entry(module.clone()).or_insert_with(|| {
         let w: Vec<f32> = bytes.chunks_exact(2).map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
