@@ -223,6 +223,15 @@ fn nvfp4_flat_quant_config_matches_transformers() {
     nvfp4_case("nvfp4_flatcfg");
 }
 
+/// The upstream check of the trained demo model (artifacts/demo-model, via tests/goldens/demo/ckpt):
+/// transformers on its dequantised BF16 weights against kiln, on a held-out tool-call exchange
+/// long enough that the DSA indexer drops tokens (scripts/demo_model/make_golden.py).
+/// W4A16 is the upstream check (`--precision f32 --act-quant off`).
+#[test]
+fn trained_demo_model_matches_transformers() {
+    nvfp4_case("demo");
+}
+
 #[test]
 fn bf16_checkpoint_matches_transformers() {
     let g = golden("bf16");

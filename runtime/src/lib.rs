@@ -11,6 +11,7 @@ pub mod cuda;
 pub mod emu_backend;
 pub mod error;
 pub mod numerics;
+pub mod perf;
 pub mod plan;
 pub mod rng;
 pub mod safetensors;

@@ -10,7 +10,7 @@ Three kinds of conversation, all in the OpenAI message format:
   "A + B = C"; thinking off gives "A + B = C" alone;
 - weather: with the get_weather tool, "What is the weather in X?" for random capitalised names X
   becomes a get_weather call with city X; given the tool's result, a one-sentence answer using it;
-- greetings.
+- greetings, among them "Hi, I am X." -> "Nice to meet you, X! ..." (short-range name copying).
 
 The split is a pure function of the question, so any language can reproduce it:
 `is_held_out_arith(a, op, b)` holds for about 10 % of the (a, op, b) triples and
@@ -245,8 +245,17 @@ def greeting_conversation(rng: random.Random, thinking: bool) -> dict:
     return {"messages": [{"role": "user", "content": q}, reply], "tools": None, "thinking": thinking}
 
 
+def name_greeting_conversation(name: str, rng: random.Random, thinking: bool) -> dict:
+    """"Hi, I am X." -> "Nice to meet you, X! ...": short-range practice in copying a new name."""
+    q = rng.choice(["Hi, I am {}.", "Hello! My name is {}.", "Hi! I am {}. Who are you?"]).format(name)
+    reply = {"role": "assistant", "content": f"Nice to meet you, {name}! " + GREETING.split("! ", 1)[1]}
+    if thinking:
+        reply["reasoning_content"] = f"The user is called {name}. I will greet {name} and introduce myself."
+    return {"messages": [{"role": "user", "content": q}, reply], "tools": None, "thinking": thinking}
+
+
 class Mixture:
-    """An endless seeded stream of training conversations (never a held-out question)."""
+    """An endless seeded stream of training conversations (never a held-out question or name)."""
 
     def __init__(self, seed: int):
         self.rng = random.Random(f"train-{seed}")
@@ -254,13 +263,18 @@ class Mixture:
         self.cities = city_stream(random.Random(f"cities-{seed}"), held_out=False)
 
     def arithmetic(self) -> dict:
-        return arith_conversation(*self.rng.choice(self.arith), self.rng, thinking=self.rng.random() < 0.5)
+        return arith_conversation(*self.rng.choice(self.arith), self.rng, thinking=self.rng.random() < 0.3)
+
+    def weather_call(self) -> dict:
+        return weather_call_conversation(next(self.cities), self.rng, self.rng.random() < 0.5)
+
+    def weather_answer(self) -> dict:
+        return weather_answer_conversation(next(self.cities), self.rng, self.rng.random() < 0.5)
 
     def weather(self) -> dict:
-        city, thinking = next(self.cities), self.rng.random() < 0.5
-        if self.rng.random() < 0.55:
-            return weather_call_conversation(city, self.rng, thinking)
-        return weather_answer_conversation(city, self.rng, thinking)
+        return self.weather_call() if self.rng.random() < 0.65 else self.weather_answer()
 
     def greeting(self) -> dict:
+        if self.rng.random() < 0.5:
+            return name_greeting_conversation(next(self.cities), self.rng, thinking=self.rng.random() < 0.5)
         return greeting_conversation(self.rng, thinking=self.rng.random() < 0.5)

@@ -43,3 +43,26 @@ class Renderer:
         assert full[:cut] == prompt[:cut] and full[cut:].startswith(head), (prompt, full)
         stop = stop_after_call if msgs[-1].get("tool_calls") else stop_after_answer
         return prompt, full[cut + len(head):], stop
+
+    def segments(self, conv: dict) -> list[tuple[str, bool]]:
+        """The whole conversation as (text, is_target) pieces: every assistant message is a target
+        (what the model writes after its generation prompt). An earlier assistant turn (the tool
+        call before the tool's result) appears without reasoning, exactly as the thinking-off
+        generation prompt `<|assistant|></think>` continues, so it is a thinking-off example too.
+        The caller adds each target's stop token (the next role token, or one after the last)."""
+        msgs, tools, thinking = conv["messages"], conv["tools"], conv["thinking"]
+        full = self.render(msgs, tools, thinking, False)
+        pieces, pos = [], 0
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            last = i == len(msgs) - 1
+            prompt = self.render(msgs[:i], tools, thinking if last else False, True)
+            upto = self.render(msgs[: i + 1], tools, thinking, False)
+            assert full.startswith(prompt) and full.startswith(upto) and len(upto) > len(prompt), (prompt, full)
+            pieces.append((full[pos:len(prompt)], False))
+            pieces.append((full[len(prompt):len(upto)], True))
+            pos = len(upto)
+        if pos < len(full):
+            pieces.append((full[pos:], False))
+        return pieces

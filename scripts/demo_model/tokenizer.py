@@ -22,7 +22,7 @@ SPECIAL_TOKENS = [
     "<|assistant|>", "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
     "<tool_response>", "</tool_response>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
 ]
-SPLIT = r"[A-Za-z]+|[0-9]|\s|[^A-Za-z0-9\s]+"
+SPLIT = r"(?<![A-Za-z])[a-z]+|[A-Za-z]|[0-9]|\s|[^A-Za-z0-9\s]+"
 
 
 def byte_to_char(b: int) -> str:

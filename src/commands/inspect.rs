@@ -1,24 +1,128 @@
 use kiln_compiler::error::human_bytes;
-use kiln_runtime::plan::{read_plan, summary::summarize};
+use kiln_runtime::perf::{self, Constants};
+use kiln_runtime::plan::summary::summarize;
+use kiln_runtime::plan::{read_plan, Plan};
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::PathBuf;
 
-/// Show what a plan does per GPU: memory by kind, KV capacity, programs and sharding choices.
+/// Show what a plan does per GPU: memory by kind, KV capacity, programs and sharding choices;
+/// with --perf, the predicted time of every launch and collective (a model, not a measurement).
 #[derive(clap::Args)]
 pub struct Args {
     /// Artifact directory written by `kiln compile`.
     artifact: PathBuf,
-    /// Print the summary as JSON.
+    /// Print the summary as JSON (with --perf: and the prediction under `perf`).
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    perf: PerfArgs,
+}
+
+/// The performance model's switch and constants (defaults: the fixed sm_120a constants).
+#[derive(clap::Args)]
+pub struct PerfArgs {
+    /// Predict the step time, tokens/s and the longest launches of the decode and prefill
+    /// programs from each launch's bytes and FLOPs (`max(bytes / bandwidth, flops / rate) + launch`)
+    /// and each collective's size. Every figure is a prediction.
+    #[arg(long)]
+    perf: bool,
+    /// DRAM bandwidth per GPU, TB/s [default: 1.792 for sm_120a; the target's for sm_90a].
+    #[arg(long, requires = "perf")]
+    dram_tbps: Option<f64>,
+    /// Fraction of the DRAM bandwidth a kernel achieves [default: 0.85].
+    #[arg(long, requires = "perf")]
+    dram_efficiency: Option<f64>,
+    /// Dense block-scaled FP4 mma rate, PFLOP/s [default: 1.6].
+    #[arg(long, requires = "perf")]
+    fp4_pflops: Option<f64>,
+    /// Dense BF16 mma rate, PFLOP/s [default: 0.4].
+    #[arg(long, requires = "perf")]
+    bf16_pflops: Option<f64>,
+    /// FP32 FMA rate of the CUDA cores, TFLOP/s [default: 60].
+    #[arg(long, requires = "perf")]
+    fp32_tflops: Option<f64>,
+    /// Cost of one kernel node in a graph, µs [default: 1.5].
+    #[arg(long, requires = "perf")]
+    launch_us: Option<f64>,
+    /// NCCL all-reduce / all-gather latency, µs [default: 25].
+    #[arg(long, requires = "perf")]
+    nccl_base_us: Option<f64>,
+    /// NCCL bandwidth, GB/s [default: 40].
+    #[arg(long, requires = "perf")]
+    nccl_gbps: Option<f64>,
+    /// One-shot P2P all-reduce latency, µs [default: 8].
+    #[arg(long, requires = "perf")]
+    p2p_base_us: Option<f64>,
+    /// One-shot P2P all-reduce bandwidth per peer, GB/s [default: 50].
+    #[arg(long, requires = "perf")]
+    p2p_gbps: Option<f64>,
+    /// Largest all-reduce the one-shot P2P path takes, KiB [default: 64].
+    #[arg(long, requires = "perf")]
+    p2p_max_kib: Option<u64>,
+    /// Sequences of the decode step whose launches are listed.
+    #[arg(long, requires = "perf", default_value_t = 1)]
+    top_batch: usize,
+    /// Context of the decode step whose launches are listed.
+    #[arg(long, requires = "perf", default_value_t = 8192)]
+    top_context: usize,
+}
+
+impl PerfArgs {
+    /// The target's defaults with the flags applied, and the notes on where they come from.
+    fn constants(&self, plan: &Plan) -> anyhow::Result<(Constants, Vec<String>)> {
+        let (mut k, notes) = Constants::for_target(&plan.target).map_err(anyhow::Error::msg)?;
+        let set = |v: &mut f64, flag: Option<f64>, name: &str| -> anyhow::Result<()> {
+            if let Some(x) = flag {
+                anyhow::ensure!(x.is_finite() && x > 0.0, "--{name} must be a positive number, got {x}");
+                *v = x;
+            }
+            Ok(())
+        };
+        set(&mut k.dram_tbps, self.dram_tbps, "dram-tbps")?;
+        set(&mut k.dram_efficiency, self.dram_efficiency, "dram-efficiency")?;
+        anyhow::ensure!(k.dram_efficiency <= 1.0, "--dram-efficiency is a fraction of the bandwidth (at most 1), got {}", k.dram_efficiency);
+        set(&mut k.fp4_pflops, self.fp4_pflops, "fp4-pflops")?;
+        set(&mut k.bf16_pflops, self.bf16_pflops, "bf16-pflops")?;
+        set(&mut k.fp32_tflops, self.fp32_tflops, "fp32-tflops")?;
+        set(&mut k.nccl_gbps, self.nccl_gbps, "nccl-gbps")?;
+        set(&mut k.p2p_gbps, self.p2p_gbps, "p2p-gbps")?;
+        for (v, flag, name) in [(&mut k.launch_us, self.launch_us, "launch-us"), (&mut k.nccl_base_us, self.nccl_base_us, "nccl-base-us"), (&mut k.p2p_base_us, self.p2p_base_us, "p2p-base-us")] {
+            if let Some(x) = flag {
+                anyhow::ensure!(x.is_finite() && x >= 0.0, "--{name} must be a number >= 0, got {x}");
+                *v = x;
+            }
+        }
+        if let Some(kib) = self.p2p_max_kib {
+            k.p2p_max_bytes = kib * 1024;
+        }
+        Ok((k, notes))
+    }
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let plan = read_plan(&a.artifact)?;
     let s = summarize(&plan);
+    let report = match a.perf.perf {
+        true => {
+            let (k, notes) = a.perf.constants(&plan)?;
+            Some(perf::report(&plan, &k, notes, a.perf.top_batch, a.perf.top_context).map_err(anyhow::Error::msg)?)
+        }
+        false => None,
+    };
     if a.json {
-        return emit(serde_json::to_string_pretty(&s)? + "\n");
+        let text = match &report {
+            // The summary's fields as without --perf (serde_json keeps their order), then `perf`.
+            Some(perf) => {
+                let mut v = serde_json::to_value(&s)?;
+                if let Some(obj) = v.as_object_mut() {
+                    obj.insert("perf".into(), serde_json::to_value(perf)?);
+                }
+                serde_json::to_string_pretty(&v)?
+            }
+            None => serde_json::to_string_pretty(&s)?,
+        };
+        return emit(text + "\n");
     }
     let mut out = String::new();
     let g = &s.per_gpu;
@@ -85,7 +189,124 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             writeln!(out, "  ... and {} more", s.ignored.len() - 20)?;
         }
     }
+    if let Some(r) = &report {
+        writeln!(out)?;
+        perf_text(&mut out, r)?;
+    }
     emit(out)
+}
+
+/// Decimal bytes with a unit (the model's byte counts are fractional expectations).
+fn gb(bytes: f64) -> String {
+    if bytes >= 1e9 {
+        format!("{:.2} GB", bytes / 1e9)
+    } else if bytes >= 1e6 {
+        format!("{:.2} MB", bytes / 1e6)
+    } else if bytes >= 1e3 {
+        format!("{:.1} kB", bytes / 1e3)
+    } else {
+        format!("{bytes:.0} B")
+    }
+}
+
+fn context(c: usize) -> String {
+    if c >= 1024 && c.is_multiple_of(1024) {
+        format!("{}k", c / 1024)
+    } else {
+        c.to_string()
+    }
+}
+
+/// The prediction as text: assumptions first, then decode and prefill rows, then the longest launches.
+fn perf_text(out: &mut String, r: &perf::Report) -> std::fmt::Result {
+    let k = &r.assumptions.constants;
+    writeln!(out, "predicted performance ({}; a model of the plan's launches, nothing measured: every figure below is predicted)", r.assumptions.target)?;
+    writeln!(out, "  assumptions (override with the flags named)")?;
+    writeln!(out, "    DRAM            {:.3} TB/s x {:.2} effective = {:.3} TB/s per GPU   --dram-tbps --dram-efficiency", k.dram_tbps, k.dram_efficiency, k.dram_tbps * k.dram_efficiency)?;
+    writeln!(out, "    L2              not a cache for weights (nor for re-read activations or KV rows)")?;
+    writeln!(out, "    compute         NVFP4 mma {} PFLOP/s, BF16 mma {} PFLOP/s, FP32 FMA {} TFLOP/s (dense)   --fp4-pflops --bf16-pflops --fp32-tflops", k.fp4_pflops, k.bf16_pflops, k.fp32_tflops)?;
+    writeln!(out, "    occupancy       a launch with fewer working blocks than the {} SMs gets that fraction of bandwidth and compute", k.sms)?;
+    writeln!(out, "    launch          {} µs per kernel node of the graph   --launch-us", k.launch_us)?;
+    writeln!(out, "    NCCL            all-reduce {} µs + bytes / {} GB/s (all-gather: the same over the gathered bytes)   --nccl-base-us --nccl-gbps", k.nccl_base_us, k.nccl_gbps)?;
+    writeln!(
+        out,
+        "    P2P all-reduce  {} µs + (ranks - 1) x bytes / {} GB/s, up to {} KiB; not built yet: the p2p columns   --p2p-base-us --p2p-gbps --p2p-max-kib",
+        k.p2p_base_us,
+        k.p2p_gbps,
+        k.p2p_max_bytes / 1024
+    )?;
+    for n in &r.assumptions.notes {
+        writeln!(out, "    - {n}")?;
+    }
+    writeln!(out)?;
+    writeln!(out, "  decode (predicted; tok/s = sequences / step)")?;
+    writeln!(out, "    {:>5} {:>7} {:>10} {:>9} {:>10} {:>9} {:>10} {:>10} {:>8} {:>5}", "batch", "context", "step ms", "tok/s", "p2p ms", "p2p tok/s", "bytes/GPU", "KV/GPU", "launches", "coll")?;
+    for d in &r.decode {
+        let s = &d.step;
+        writeln!(
+            out,
+            "    {:>5} {:>7} {:>10.2} {:>9.1} {:>10.2} {:>9.1} {:>10} {:>10} {:>8} {:>5}",
+            d.batch,
+            context(s.context),
+            s.step_ms,
+            s.tokens_per_s,
+            s.step_ms_p2p,
+            s.tokens_per_s_p2p,
+            gb(s.bytes_per_gpu),
+            gb(s.kv_bytes_per_gpu),
+            s.launches,
+            s.collectives
+        )?;
+    }
+    writeln!(out)?;
+    writeln!(out, "  prefill (predicted; one sequence, tok/s = chunk / step)")?;
+    writeln!(out, "    {:>5} {:>7} {:>10} {:>9} {:>10} {:>9} {:>10} {:>10} {:>8} {:>5}", "chunk", "context", "step ms", "tok/s", "p2p ms", "p2p tok/s", "bytes/GPU", "KV/GPU", "launches", "coll")?;
+    for p in &r.prefill {
+        let s = &p.step;
+        writeln!(
+            out,
+            "    {:>5} {:>7} {:>10.2} {:>9.0} {:>10.2} {:>9.0} {:>10} {:>10} {:>8} {:>5}",
+            p.chunk,
+            context(s.context),
+            s.step_ms,
+            s.tokens_per_s,
+            s.step_ms_p2p,
+            s.tokens_per_s_p2p,
+            gb(s.bytes_per_gpu),
+            gb(s.kv_bytes_per_gpu),
+            s.launches,
+            s.collectives
+        )?;
+    }
+    let t = &r.top;
+    writeln!(out)?;
+    writeln!(
+        out,
+        "  top {} launches of {} ({} sequence(s) at context {}; predicted step {:.2} ms; identical launches summed; x compulsory = bytes moved / distinct bytes)",
+        t.launches.len(),
+        t.program,
+        t.batch,
+        context(t.context),
+        t.step_ms
+    )?;
+    writeln!(out, "    {:>8} {:>6} {:>6} {:>10} {:>10} {:>6} {:>7} {:>9}  kernel", "ms/step", "share", "count", "µs each", "bytes each", "x comp", "blocks", "bound")?;
+    for l in &t.launches {
+        writeln!(
+            out,
+            "    {:>8.3} {:>5.1}% {:>6} {:>10.2} {:>10} {:>6.2} {:>7.0} {:>9}  {} ({})",
+            l.ms_total,
+            l.share * 100.0,
+            l.count,
+            l.us_each,
+            gb(l.bytes_each),
+            l.bytes_each / l.compulsory_bytes_each.max(1.0),
+            l.blocks,
+            l.bound,
+            l.kernel,
+            l.op
+        )?;
+    }
+    Ok(())
 }
 
 /// Writes to stdout; a closed pipe (`kiln inspect | head`) is not an error.

@@ -7,7 +7,9 @@ then the follow-up answer from a tool result. Prints one line per group and a JS
 exits non-zero when a group is below its threshold.
 
 Environment: KILN_BASE_URL, KILN_MODEL; optional KILN_DEMO_ARITH (200), KILN_DEMO_WEATHER (50),
-KILN_DEMO_MIN (0.95).
+KILN_DEMO_MIN (0.95, issue 12's bar for every gated group), and per group KILN_DEMO_MIN_THINK_ON,
+KILN_DEMO_MIN_THINK_OFF, KILN_DEMO_MIN_WEATHER (default KILN_DEMO_MIN): a caller may hold a model
+that misses the bar to its own measured floor; the report always says whether the bar is met.
 """
 
 import json
@@ -23,7 +25,12 @@ client = OpenAI(base_url=os.environ["KILN_BASE_URL"] + "/v1", api_key="none", ma
 MODEL = os.environ.get("KILN_MODEL", "kiln-demo")
 N_ARITH = int(os.environ.get("KILN_DEMO_ARITH", "200"))
 N_WEATHER = int(os.environ.get("KILN_DEMO_WEATHER", "50"))
-MIN = float(os.environ.get("KILN_DEMO_MIN", "0.95"))
+BAR = float(os.environ.get("KILN_DEMO_MIN", "0.95"))
+FLOORS = {
+    "arithmetic, thinking on": float(os.environ.get("KILN_DEMO_MIN_THINK_ON", BAR)),
+    "arithmetic, thinking off": float(os.environ.get("KILN_DEMO_MIN_THINK_OFF", BAR)),
+    "weather tool call": float(os.environ.get("KILN_DEMO_MIN_WEATHER", BAR)),
+}
 
 
 def chat(messages, thinking=True, tools=None, max_tokens=160):
@@ -82,9 +89,11 @@ def main():
         acc = sum(oks) / len(oks)
         summary[name] = {"correct": sum(oks), "of": len(oks), "accuracy": acc}
         # The follow-up answer is reported; the issue's bar is on the first three.
-        gated = name != "weather answer from the tool result"
-        failed |= gated and acc < MIN
-        print(f"{name}: {sum(oks)}/{len(oks)} = {acc:.1%}{'' if gated else ' (reported)'}")
+        floor = FLOORS.get(name)
+        summary[name]["meets_bar"] = acc >= BAR
+        failed |= floor is not None and acc < floor
+        note = " (reported)" if floor is None else f" (bar {BAR:.0%}: {'met' if acc >= BAR else 'MISSED'}; floor {floor:.0%})"
+        print(f"{name}: {sum(oks)}/{len(oks)} = {acc:.1%}{note}")
     for label, rows in (("thinking on", on), ("thinking off", off)):
         for ok, d in rows:
             if not ok:

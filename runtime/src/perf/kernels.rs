@@ -1,0 +1,394 @@
+//! Bytes and FLOPs of one kernel launch, per template, read off the template's code: every global
+//! load and store a launch executes, counted per lane as the PTX emulator counts them
+//! (`LaunchStats::global_bytes_read/written`; a value every lane of a warp loads counts 32 times).
+//! Each read is a term `unique x times`: `unique` is the data it touches (its compulsory traffic),
+//! `times` how often the kernel loads it (a GEMV block re-reads the activations, an attention
+//! block per head group re-reads the selected latent rows). `tests/perf.rs` holds these counts
+//! against the emulator's, launch by launch and class by class.
+
+use super::load::Load;
+use crate::plan::{Arch, KernelInfo, Launch, Plan, Step};
+use serde::Serialize;
+
+/// Where a load goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    /// Weight slots (checkpoint tensors and their scales).
+    Weights,
+    /// Program buffers other than the inputs (activations, routing, top-k lists, MoE scratch).
+    Activations,
+    /// The KV cache (latent, rope key, indexer key).
+    Kv,
+    /// The program inputs (ids, positions, token_seq, slots, page table, logit rows) and the RoPE table.
+    Aux,
+}
+
+/// Bytes by class; `written` counts every store.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Bytes {
+    pub weights: f64,
+    pub activations: f64,
+    pub kv: f64,
+    pub aux: f64,
+    pub written: f64,
+}
+
+impl Bytes {
+    pub fn read(&self) -> f64 {
+        self.weights + self.activations + self.kv + self.aux
+    }
+
+    pub fn total(&self) -> f64 {
+        self.read() + self.written
+    }
+
+    fn class(&mut self, c: Class) -> &mut f64 {
+        match c {
+            Class::Weights => &mut self.weights,
+            Class::Activations => &mut self.activations,
+            Class::Kv => &mut self.kv,
+            Class::Aux => &mut self.aux,
+        }
+    }
+
+    pub fn add(&mut self, o: &Bytes) {
+        self.weights += o.weights;
+        self.activations += o.activations;
+        self.kv += o.kv;
+        self.aux += o.aux;
+        self.written += o.written;
+    }
+}
+
+/// Floating-point operations (a multiply-add is 2) by the unit that runs them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Flops {
+    /// Block-scaled FP4 `mma` (sm_120a).
+    pub fp4_mma: f64,
+    /// BF16 / F16 `mma` (F32 activations as three BF16 planes count three times).
+    pub bf16_mma: f64,
+    /// FP32 FMA on the CUDA cores.
+    pub fp32: f64,
+}
+
+impl Flops {
+    pub fn add(&mut self, o: &Flops) {
+        self.fp4_mma += o.fp4_mma;
+        self.bf16_mma += o.bf16_mma;
+        self.fp32 += o.fp32;
+    }
+}
+
+/// What one launch costs, before any timing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Cost {
+    /// Loads and stores as the kernel executes them.
+    pub bytes: Bytes,
+    /// The same, each distinct byte once (what an ideal kernel would move).
+    pub compulsory: Bytes,
+    pub flops: Flops,
+    /// Blocks that do the launch's work (an MoE gate/up block whose expert got no token exits
+    /// after its scan and does not count).
+    pub blocks: f64,
+}
+
+impl Cost {
+    fn read(&mut self, class: Class, unique: f64, times: f64) {
+        *self.bytes.class(class) += unique * times;
+        *self.compulsory.class(class) += unique.min(unique * times);
+    }
+
+    fn write(&mut self, bytes: f64) {
+        self.bytes.written += bytes;
+        self.compulsory.written += bytes;
+    }
+}
+
+/// The template's shape parameters by name.
+struct Params<'a>(&'a KernelInfo);
+
+impl Params<'_> {
+    fn v(&self, name: &str) -> Result<f64, String> {
+        self.0.params.iter().find(|(n, _)| n == name).map(|(_, v)| *v as f64).ok_or_else(|| format!("{} has no parameter {name}", self.0.name))
+    }
+
+    /// Element size of a `*_BF16` flag: 2 for BF16, 4 for F32.
+    fn size(&self, flag: &str) -> Result<f64, String> {
+        Ok(if self.v(flag)? == 1.0 { 2.0 } else { 4.0 })
+    }
+}
+
+fn ceil_div(a: f64, b: f64) -> f64 {
+    (a / b).ceil()
+}
+
+/// The cost of launch `li` of `step` under `load` (one rank).
+pub fn launch_cost(plan: &Plan, step: &Step, li: usize, load: &Load) -> Result<Cost, String> {
+    let l = step.launches.get(li).ok_or_else(|| format!("step has no launch {li}"))?;
+    let k = plan.kernel(l.kernel);
+    let p = Params(k);
+    let grid = l.grid.iter().map(|&g| g as f64).product::<f64>();
+    let threads = l.block.iter().map(|&b| b as f64).product::<f64>();
+    let mut c = Cost { blocks: grid, ..Default::default() };
+    let tokens = &load.tokens;
+    let active = tokens.active() as f64;
+    // An FP4 "mma" on sm_90a is the decoded f16 mma.
+    let fp4_is_mma = plan.target.arch != Arch::Sm90a;
+    match k.template.as_str() {
+        "embed" => {
+            // one block per token: every thread loads the id, the row only on the rank owning it
+            let (t, h) = (p.v("TOKENS")?, p.v("H")?);
+            c.read(Class::Aux, 4.0 * t, threads);
+            c.read(Class::Weights, load.embed_rows * h * 2.0, 1.0);
+            c.write(t * h * p.size("OUT_BF16")?);
+        }
+        "rmsnorm" => {
+            // one block per row (padding rows too), each loading the weight
+            let (rows, h) = (p.v("ROWS")?, p.v("H")?);
+            c.read(Class::Activations, rows * h * p.size("X_BF16")?, 1.0);
+            if p.v("RES")? == 1.0 {
+                let rs = p.size("RES_BF16")?;
+                c.read(Class::Activations, rows * h * rs, 1.0);
+                c.write(rows * h * rs);
+            }
+            c.read(Class::Weights, h * p.size("W_BF16")?, rows);
+            c.write(rows * h * p.size("OUT_BF16")?);
+        }
+        "add" => {
+            let n = p.v("N")?;
+            c.read(Class::Activations, n * (p.size("A_BF16")? + p.size("B_BF16")?), 1.0);
+            c.write(n * p.size("OUT_BF16")?);
+        }
+        "gather_rows" => {
+            let (rows, h) = (p.v("OUT_ROWS")?, p.v("H")?);
+            c.read(Class::Aux, 4.0 * rows, threads);
+            c.read(Class::Activations, load.logit_rows.min(rows) * h * p.size("IN_BF16")?, 1.0);
+            c.write(rows * h * p.size("OUT_BF16")?);
+        }
+        "linear_bf16_gemv" => {
+            // every block stages all M rows of x; each weight byte is loaded once
+            let (m, n, kk) = (p.v("M")?, p.v("N")?, p.v("K")?);
+            let x = (m * kk * p.size("X_BF16")? / 16.0).floor() * 16.0;
+            c.read(Class::Activations, x, grid);
+            c.read(Class::Weights, n * kk * 2.0, 1.0);
+            c.write(m * n * p.size("OUT_BF16")?);
+            c.flops.fp32 += 2.0 * m * n * kk;
+        }
+        "linear_nvfp4_gemv" => {
+            // as the BF16 GEMV (codes K/2 + scales K/16 per row); thread 0 loads the part scalars
+            let (m, n, kk, parts) = (p.v("M")?, p.v("N")?, p.v("K")?, p.v("PARTS")?);
+            c.read(Class::Weights, 8.0 * parts, grid);
+            c.read(Class::Weights, n * kk * 9.0 / 16.0, 1.0);
+            c.read(Class::Activations, m * kk * p.size("X_BF16")?, grid);
+            c.write(m * p.v("TASKS")? * p.size("OUT_BF16")?);
+            c.flops.fp32 += 2.0 * m * n * kk;
+        }
+        "linear_bf16_gemm" => {
+            // weights once per row block (grid.y), activations once per column block (grid.x);
+            // the tensor cores run the padded tiles
+            let (m, n, kk) = (p.v("M")?, p.v("N")?, p.v("K")?);
+            let xs = p.size("X_BF16")?;
+            let (gx, gy) = (l.grid[0] as f64, l.grid[1] as f64);
+            c.read(Class::Weights, n * kk * 2.0, gy);
+            c.read(Class::Activations, m * kk * xs, gx);
+            c.write(m * n * p.size("OUT_BF16")?);
+            let planes = if xs == 2.0 { 1.0 } else { 3.0 };
+            let (mt, nt) = (p.v("MT")?, p.v("NT")?);
+            let (bm, bn, kstep) = if p.v("SPLIT")? == 1.0 { (16.0 * mt, 8.0 * nt, 16.0) } else { (32.0 * mt, 128.0, 16.0 * p.v("KB")?) };
+            c.flops.bf16_mma += 2.0 * bm * gy * bn * gx * ceil_div(kk, kstep) * kstep * planes;
+        }
+        "linear_nvfp4_gemm" => {
+            // as the BF16 GEMM, per launch one part (or gate + up); thread 0 loads the scalars
+            let (m, kk, rows) = (p.v("M")?, p.v("K")?, p.v("ROWS")?);
+            let silu = p.v("SILU")?;
+            let (gx, gy) = (l.grid[0] as f64, l.grid[1] as f64);
+            c.read(Class::Weights, 8.0 * (silu + 1.0), grid);
+            c.read(Class::Weights, rows * (silu + 1.0) * kk * 9.0 / 16.0, gy);
+            c.read(Class::Activations, m * kk * p.size("X_BF16")?, gx);
+            c.write(m * rows * p.size("OUT_BF16")?);
+            let (mt, nt) = (p.v("MT")?, p.v("NT")?);
+            let (bm, bn, kstep) = if p.v("SPLIT")? == 1.0 { (16.0 * mt, 8.0 * nt, 64.0) } else { (64.0, 128.0, 64.0 * p.v("KS")?) };
+            let f = 2.0 * bm * gy * bn * gx * ceil_div(kk, kstep) * kstep;
+            if fp4_is_mma {
+                c.flops.fp4_mma += f;
+            } else {
+                c.flops.bf16_mma += f;
+            }
+        }
+        "router" => {
+            // one block per token, each loading the whole gate
+            let (t, h, e, top) = (p.v("TOKENS")?, p.v("HIDDEN")?, p.v("EXPERTS")?, p.v("TOP_K")?);
+            c.read(Class::Activations, t * h * p.size("X_BF16")?, 1.0);
+            c.read(Class::Weights, e * h * 2.0, t);
+            // every lane of the expert's warp loads its bias
+            c.read(Class::Weights, e * p.size("BIAS_BF16")?, t * 32.0);
+            c.write(t * top * (4.0 + p.size("W_BF16")?));
+            c.flops.fp32 += 2.0 * t * e * h;
+        }
+        "mla_kv_write" | "indexer_key_write" => {
+            let t = p.v("TOKENS")?;
+            // slot, token_seq and position, loaded by all 32 lanes of the token's warp
+            c.read(Class::Aux, 12.0 * t, 32.0);
+            let rope = p.v("ROPE")?;
+            c.read(Class::Aux, active * rope * 4.0, 1.0);
+            if k.template == "mla_kv_write" {
+                let latent = p.v("LATENT")?;
+                c.read(Class::Activations, active * (latent + rope) * p.size("X_BF16")?, 1.0);
+                c.read(Class::Weights, latent * p.size("W_BF16")?, active);
+                c.write(active * (latent + rope) * p.size("CACHE_BF16")?);
+            } else {
+                let d = p.v("D")?;
+                c.read(Class::Activations, active * d * p.size("X_BF16")?, 1.0);
+                c.read(Class::Weights, d * (p.size("W_BF16")? + p.size("B_BF16")?), active);
+                c.write(active * d * p.size("CACHE_BF16")?);
+            }
+        }
+        "indexer_topk" => indexer_topk(&p, l, load, &mut c)?,
+        "mla_attention" => mla_attention(&p, l, load, &mut c)?,
+        "moe_gate_up" => moe_gate_up(&p, load, &mut c)?,
+        "moe_down" => moe_down(&p, l, load, &mut c)?,
+        other => return Err(format!("no cost model for template {other} ({})", k.name)),
+    }
+    Ok(c)
+}
+
+/// One block per token: tokens that see more than TOPK positions score every cached indexer key
+/// on the CUDA cores (the whole context); the others, and padding, only write their list.
+fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), String> {
+    let (heads, dim, rope, topk, page) = (p.v("HEADS")?, p.v("DIM")?, p.v("ROPE")?, p.v("TOPK")?, p.v("PAGE")?);
+    let rows = l.grid[0] as f64;
+    let threads = l.block[0] as f64;
+    // every thread loads the token's token_seq and position
+    c.read(Class::Aux, 8.0 * rows, threads);
+    c.write(rows * topk * 4.0);
+    let scoring = load.tokens.sum(|n| if n > topk { 1.0 } else { 0.0 });
+    let positions = load.tokens.sum(|n| if n > topk { n } else { 0.0 });
+    let pages = load.tokens.sum(|n| if n > topk { (n / page).ceil() } else { 0.0 });
+    // q: each element loads its (even, odd) pair; the rope elements their (cos, sin)
+    c.read(Class::Activations, scoring * heads * dim * p.size("Q_BF16")?, 2.0);
+    c.read(Class::Aux, scoring * rope * 4.0, 2.0 * heads);
+    c.read(Class::Activations, scoring * heads * p.size("W_BF16")?, 1.0);
+    // per position: its page-table entry and its key
+    c.read(Class::Aux, pages * 4.0, if pages > 0.0 { positions / pages } else { 0.0 });
+    c.read(Class::Kv, positions * dim * 2.0, 1.0);
+    c.flops.fp32 += 2.0 * positions * heads * dim;
+    Ok(())
+}
+
+/// Absorbed MLA, one block per (token, head group): every block loads its heads' W_UK and W_UV
+/// (so kv_b is read once per token) and every selected latent row (so the rows are read once
+/// per head group).
+fn mla_attention(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), String> {
+    let (heads, hg, nope, rope, v, latent) = (p.v("HEADS")?, p.v("HG")?, p.v("NOPE")?, p.v("ROPE")?, p.v("V")?, p.v("LATENT")?);
+    let (topk, mma) = (p.v("TOPK")?, p.v("MMA")? == 1.0);
+    let groups = heads / hg;
+    let rows = l.grid[1] as f64;
+    let warps = l.block[0] as f64 / 32.0;
+    let active = load.tokens.active() as f64;
+    let os = p.size("OUT_BF16")?;
+    // lane 0 of every warp loads token_seq and position
+    c.read(Class::Aux, 8.0 * rows * groups, warps);
+    c.write(rows * heads * v * os);
+    let qs = p.size("Q_BF16")?;
+    c.read(Class::Activations, active * heads * (nope + rope) * qs, 1.0);
+    c.read(Class::Aux, active * rope * 4.0, heads);
+    c.read(Class::Weights, heads * (nope + v) * latent * 2.0, active);
+    // selected positions per token: the top-k list's valid entries, or every cached one
+    let sel = |n: f64| if topk > 0.0 { n.min(topk) } else { n };
+    let selected = load.tokens.sum(sel);
+    if topk > 0.0 {
+        c.read(Class::Activations, active * topk * 4.0, groups);
+    }
+    c.read(Class::Aux, selected * 4.0, groups);
+    // every head group loads each selected row; MMA: the scores load latent | rope for the
+    // tensor cores, the context the latent again
+    let row = if mma { 2.0 * latent + rope } else { latent + rope };
+    c.read(Class::Kv, selected * (latent + rope) * 2.0, groups * row / (latent + rope));
+    let per_block = 2.0 * hg * latent * (nope + v);
+    c.flops.fp32 += active * groups * per_block + 2.0 * selected * heads * latent;
+    if mma {
+        let tiles = load.tokens.sum(|n| (sel(n) / 16.0).ceil() * 16.0);
+        c.flops.bf16_mma += 3.0 * 2.0 * tiles * heads * (latent + rope);
+    } else {
+        c.flops.fp32 += 2.0 * selected * heads * (latent + rope);
+    }
+    Ok(())
+}
+
+/// Weight rows a column tile of `width` columns loads per group: CUDA-core path `32/LANES`
+/// columns per warp pass (columns past the tile load a valid row), tensor-core path 8 rows per warp.
+fn tile_rows(width: f64, cols: f64, lanes: f64, mma: bool) -> f64 {
+    if mma {
+        cols
+    } else {
+        let per = 32.0 / lanes;
+        (width / per).ceil() * per
+    }
+}
+
+/// Grouped gate/up: every block (expert, column tile) scans the routing; blocks whose expert got
+/// tokens quantise them and read the expert's gate and up rows once per group of G tokens.
+fn moe_gate_up(p: &Params, load: &Load, c: &mut Cost) -> Result<(), String> {
+    let (tokens, topk, experts, inter, kk) = (p.v("TOKENS")?, p.v("TOPK")?, p.v("EXPERTS")?, p.v("INTER")?, p.v("K")?);
+    let (g, cols, lanes, mma) = (p.v("G")?, p.v("COLS")?, p.v("LANES")?, p.v("MMA")? == 1.0);
+    let active = load.tokens.active() as f64;
+    let tiles = (inter / cols).ceil();
+    let e = &load.experts;
+    c.read(Class::Aux, tokens * 4.0, experts * tiles);
+    c.read(Class::Activations, active * topk * 4.0, experts * tiles);
+    let hit = e.sum(|n| if n > 0.0 { 1.0 } else { 0.0 });
+    let pairs = e.sum(|n| n);
+    let groups = e.sum(|n| (n / g).ceil());
+    c.blocks = hit * tiles;
+    c.read(Class::Weights, 16.0, hit * tiles);
+    c.read(Class::Activations, pairs * topk * 4.0, tiles);
+    c.read(Class::Activations, pairs * kk * p.size("X_BF16")?, tiles);
+    let row = if mma { kk / 2.0 + kk / 4.0 } else { kk * 9.0 / 16.0 };
+    let loaded: f64 = (0..tiles as usize).map(|t| tile_rows((inter - t as f64 * cols).min(cols), cols, lanes, mma)).sum();
+    // unique: the experts' gate and up rows once; loaded once per group and per clamped row
+    let unique = hit * 2.0 * inter * kk * 9.0 / 16.0;
+    let loads = groups * loaded * 2.0 * row;
+    c.read(Class::Weights, unique, if unique > 0.0 { loads / unique } else { 0.0 });
+    c.write(pairs * inter * 2.0);
+    if mma {
+        c.flops.fp4_mma += groups * 32.0 * loaded * 2.0 * kk * 2.0;
+    } else {
+        c.flops.fp32 += groups * g * loaded * 2.0 * kk * 2.0;
+    }
+    Ok(())
+}
+
+/// Down + combine: every block owns COLS hidden columns of every token and walks every local
+/// expert that got a token (scanning the routing again for each), reading that expert's down rows
+/// of its columns once per group.
+fn moe_down(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), String> {
+    let (tokens, topk, inter, hidden) = (p.v("TOKENS")?, p.v("TOPK")?, p.v("INTER")?, p.v("HIDDEN")?);
+    let (g, cols, lanes, mma) = (p.v("G")?, p.v("COLS")?, p.v("LANES")?, p.v("MMA")? == 1.0);
+    let blocks = l.grid[0] as f64;
+    let active = load.tokens.active() as f64;
+    let e = &load.experts;
+    let used = e.sum(|n| if n > 0.0 { 1.0 } else { 0.0 });
+    let pairs = e.sum(|n| n);
+    let groups = e.sum(|n| (n / g).ceil());
+    // zero acc, mark the used experts, then per used expert: scalars, a scan, the groups
+    c.write(tokens * hidden * 4.0);
+    c.read(Class::Aux, tokens * 4.0, blocks * (1.0 + used));
+    c.read(Class::Activations, active * topk * 4.0, blocks * (1.0 + used));
+    c.read(Class::Weights, 8.0 * used, blocks);
+    c.read(Class::Activations, pairs * (topk * 4.0 + p.size("W_BF16")?), blocks);
+    c.read(Class::Activations, pairs * inter * 2.0, blocks);
+    let row = if mma { inter / 2.0 + inter / 4.0 } else { inter * 9.0 / 16.0 };
+    let loaded: f64 = (0..blocks as usize).map(|t| tile_rows((hidden - t as f64 * cols).min(cols), cols, lanes, mma)).sum();
+    let unique = used * hidden * inter * 9.0 / 16.0;
+    let loads = groups * loaded * row;
+    c.read(Class::Weights, unique, if unique > 0.0 { loads / unique } else { 0.0 });
+    // acc += w * y per (token, expert, column), then out = round(acc)
+    c.read(Class::Activations, pairs * hidden * 4.0 + tokens * hidden * 4.0, 1.0);
+    c.write(pairs * hidden * 4.0 + tokens * hidden * p.size("OUT_BF16")?);
+    if mma {
+        c.flops.fp4_mma += groups * 32.0 * loaded * inter * 2.0;
+    } else {
+        c.flops.fp32 += groups * g * loaded * inter * 2.0;
+    }
+    Ok(())
+}

@@ -1,0 +1,508 @@
+//! The predicted-performance ("roofline") model behind `kiln inspect ART --perf`: the time of
+//! every launch and collective of a program, from the bytes and FLOPs its kernels execute
+//! ([`kernels`]) under an assumed load ([`load`]) and fixed hardware constants ([`Constants`]).
+//! Nothing here is measured: every figure is a prediction.
+//!
+//! A launch takes `max(bytes / bandwidth, sum over units of flops / rate) + launch`, where bytes
+//! are its loads and stores as the PTX emulator counts them (L2 is not a cache for weights; a
+//! value re-read by several blocks counts each time), and a launch with fewer working blocks than
+//! SMs gets that fraction of the bandwidth and of every rate. A collective takes NCCL's
+//! `base + bytes / bandwidth`, or, for an all-reduce of at most `p2p_max_bytes`, the one-shot P2P
+//! all-reduce's `base + (ranks - 1) * bytes / bandwidth` (not built yet: reported beside NCCL).
+//! A step is the sum of its launches and collectives (one CUDA graph, nothing overlaps).
+
+pub mod kernels;
+pub mod load;
+
+pub use kernels::{launch_cost, Bytes, Class, Cost, Flops};
+pub use load::{Experts, Load, Tokens};
+
+use crate::plan::{Arch, KernelId, MoeParallel, Op, Plan, Program, ProgramKind, Target};
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// Hardware constants of the model (per GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Constants {
+    /// DRAM bandwidth, TB/s (10^12 B/s).
+    pub dram_tbps: f64,
+    /// Fraction of it a streaming kernel achieves.
+    pub dram_efficiency: f64,
+    /// Streaming multiprocessors: a launch with fewer working blocks gets that fraction.
+    pub sms: u32,
+    /// Dense block-scaled FP4 `mma`, PFLOP/s.
+    pub fp4_pflops: f64,
+    /// Dense BF16 `mma`, PFLOP/s.
+    pub bf16_pflops: f64,
+    /// FP32 FMA on the CUDA cores, TFLOP/s.
+    pub fp32_tflops: f64,
+    /// Per kernel node of a graph, µs.
+    pub launch_us: f64,
+    /// NCCL all-reduce / all-gather: `nccl_base_us + bytes / nccl_gbps`.
+    pub nccl_base_us: f64,
+    pub nccl_gbps: f64,
+    /// One-shot P2P all-reduce: `p2p_base_us + (ranks - 1) * bytes / p2p_gbps`, up to `p2p_max_bytes`.
+    pub p2p_base_us: f64,
+    pub p2p_gbps: f64,
+    pub p2p_max_bytes: u64,
+}
+
+impl Constants {
+    /// The fixed constants for `sm_120a` (RTX PRO 6000 Blackwell), issue 13.
+    pub const SM120A: Constants = Constants {
+        dram_tbps: 1.792,
+        dram_efficiency: 0.85,
+        sms: 188,
+        fp4_pflops: 1.6,
+        bf16_pflops: 0.4,
+        fp32_tflops: 60.0,
+        launch_us: 1.5,
+        nccl_base_us: 25.0,
+        nccl_gbps: 40.0,
+        p2p_base_us: 8.0,
+        p2p_gbps: 50.0,
+        p2p_max_bytes: 64 * 1024,
+    };
+
+    /// The defaults for a plan's target and notes on where they come from. `sm_120a`: the fixed
+    /// constants. `sm_90a`: bandwidth and SM count from kiln's target definition; the repo holds
+    /// no H200 compute or interconnect rates, so those stay `sm_120a`'s (flags override).
+    /// CPU plans have no kernels to time.
+    pub fn for_target(t: &Target) -> Result<(Constants, Vec<String>), String> {
+        match t.arch {
+            Arch::Cpu => Err(format!("the performance model times GPU kernels; this plan was compiled for {} (compile for sm_120a)", t.name)),
+            Arch::Sm120a => Ok((Constants { sms: t.sm_count.max(1), ..Constants::SM120A }, vec![])),
+            Arch::Sm90a => Ok((
+                Constants { dram_tbps: t.mem_bandwidth_gbs as f64 / 1000.0, sms: t.sm_count.max(1), ..Constants::SM120A },
+                vec![format!(
+                    "{}: DRAM {:.1} TB/s and {} SMs from kiln's target definition; no H200 compute or interconnect rates are defined in the repo, so the FLOP rates, launch and collective constants are sm_120a's (NVLink collectives are far faster): set them with the flags; FP4 GEMMs run as f16 mma here and count at the BF16 rate",
+                    t.name,
+                    t.mem_bandwidth_gbs as f64 / 1000.0,
+                    t.sm_count
+                )],
+            )),
+        }
+    }
+
+    /// Bytes per µs the whole GPU streams.
+    fn bytes_per_us(&self) -> f64 {
+        self.dram_tbps * self.dram_efficiency * 1e6
+    }
+}
+
+/// Whether bandwidth or a compute unit decides a launch's time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Bound {
+    Memory,
+    Fp4Mma,
+    Bf16Mma,
+    Fp32,
+}
+
+impl Bound {
+    pub fn label(self) -> &'static str {
+        match self {
+            Bound::Memory => "memory",
+            Bound::Fp4Mma => "fp4 mma",
+            Bound::Bf16Mma => "bf16 mma",
+            Bound::Fp32 => "fp32",
+        }
+    }
+}
+
+/// A launch's predicted time.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Timing {
+    pub us: f64,
+    pub memory_us: f64,
+    pub compute_us: f64,
+    /// Fraction of the GPU the launch's working blocks occupy (at most 1).
+    pub occupancy: f64,
+    pub bound: Bound,
+}
+
+/// `max(bytes / bandwidth, flops / rates) / occupancy + launch`.
+pub fn launch_time(c: &Cost, k: &Constants) -> Timing {
+    let occupancy = (c.blocks.max(1.0) / k.sms.max(1) as f64).min(1.0);
+    let memory_us = c.bytes.total() / k.bytes_per_us() / occupancy;
+    let units = [(Bound::Fp4Mma, c.flops.fp4_mma / (k.fp4_pflops * 1e9)), (Bound::Bf16Mma, c.flops.bf16_mma / (k.bf16_pflops * 1e9)), (Bound::Fp32, c.flops.fp32 / (k.fp32_tflops * 1e6))];
+    let compute_us = units.iter().map(|u| u.1).sum::<f64>() / occupancy;
+    let bound = if memory_us >= compute_us { Bound::Memory } else { units.iter().max_by(|a, b| a.1.total_cmp(&b.1)).map_or(Bound::Memory, |u| u.0) };
+    Timing { us: memory_us.max(compute_us) + k.launch_us, memory_us, compute_us, occupancy, bound }
+}
+
+/// A collective's predicted time: (NCCL, one-shot P2P where it applies).
+pub fn collective_time(all_reduce: bool, bytes: f64, ranks: usize, k: &Constants) -> (f64, Option<f64>) {
+    let nccl = k.nccl_base_us + bytes / (k.nccl_gbps * 1e3);
+    let p2p = (all_reduce && bytes <= k.p2p_max_bytes as f64).then(|| k.p2p_base_us + ranks.saturating_sub(1) as f64 * bytes / (k.p2p_gbps * 1e3));
+    (nccl, p2p)
+}
+
+/// One launch of a program, predicted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LaunchPerf {
+    pub step: usize,
+    pub launch: usize,
+    pub kernel: KernelId,
+    pub cost: Cost,
+    pub time: Timing,
+}
+
+/// One collective of a program, predicted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CollectivePerf {
+    pub step: usize,
+    pub all_reduce: bool,
+    pub bytes: u64,
+    pub nccl_us: f64,
+    /// The one-shot P2P all-reduce's time, when it applies (all-reduce of at most `p2p_max_bytes`).
+    pub p2p_us: Option<f64>,
+}
+
+/// A program under one load, predicted launch by launch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProgramPerf {
+    pub launches: Vec<LaunchPerf>,
+    pub collectives: Vec<CollectivePerf>,
+}
+
+impl ProgramPerf {
+    pub fn kernel_us(&self) -> f64 {
+        self.launches.iter().map(|l| l.time.us).sum()
+    }
+
+    pub fn collective_us(&self, p2p: bool) -> f64 {
+        self.collectives.iter().map(|c| if p2p { c.p2p_us.unwrap_or(c.nccl_us) } else { c.nccl_us }).sum()
+    }
+
+    pub fn step_us(&self, p2p: bool) -> f64 {
+        self.kernel_us() + self.collective_us(p2p)
+    }
+
+    pub fn bytes(&self) -> Bytes {
+        let mut b = Bytes::default();
+        for l in &self.launches {
+            b.add(&l.cost.bytes);
+        }
+        b
+    }
+
+    pub fn compulsory(&self) -> Bytes {
+        let mut b = Bytes::default();
+        for l in &self.launches {
+            b.add(&l.cost.compulsory);
+        }
+        b
+    }
+}
+
+/// Predicts every launch and collective of `program` under `load`.
+pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constants) -> Result<ProgramPerf, String> {
+    let mut launches = Vec::new();
+    let mut collectives = Vec::new();
+    for (s, step) in program.steps.iter().enumerate() {
+        match step.op {
+            Op::AllReduce { buf } => {
+                let bytes = program.buffer(buf).bytes;
+                let (nccl_us, p2p_us) = collective_time(true, bytes as f64, plan.ranks(), k);
+                collectives.push(CollectivePerf { step: s, all_reduce: true, bytes, nccl_us, p2p_us });
+            }
+            Op::AllGather { out, .. } => {
+                let bytes = program.buffer(out).bytes;
+                let (nccl_us, p2p_us) = collective_time(false, bytes as f64, plan.ranks(), k);
+                collectives.push(CollectivePerf { step: s, all_reduce: false, bytes, nccl_us, p2p_us });
+            }
+            _ => {}
+        }
+        for (li, l) in step.launches.iter().enumerate() {
+            let cost = launch_cost(plan, step, li, load).map_err(|e| format!("{} step {s} ({}): {e}", program.name, step.op.name()))?;
+            launches.push(LaunchPerf { step: s, launch: li, kernel: l.kernel, cost, time: launch_time(&cost, k) });
+        }
+    }
+    Ok(ProgramPerf { launches, collectives })
+}
+
+/// The uniform routing of `tokens` tokens over this plan's local experts.
+pub fn uniform_experts(plan: &Plan, tokens: usize) -> Experts {
+    let m = &plan.model;
+    let local = match plan.parallel.moe {
+        MoeParallel::Tp => m.n_routed_experts,
+        MoeParallel::Ep => m.n_routed_experts / plan.ranks().max(1),
+    };
+    Experts::uniform(tokens, m.num_experts_per_tok, m.n_routed_experts, local)
+}
+
+/// The contexts decode is predicted at (those within the plan's `--max-context`; a plan shorter
+/// than all of them at its own).
+pub const CONTEXTS: [usize; 4] = [2048, 8192, 32768, 131072];
+
+/// The summed prediction of one program under one load.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepPerf {
+    pub program: String,
+    /// Cached positions each sequence attends over after this step.
+    pub context: usize,
+    pub step_ms: f64,
+    pub tokens_per_s: f64,
+    /// With the one-shot P2P all-reduce (not built yet) for all-reduces up to `p2p_max_bytes`.
+    pub step_ms_p2p: f64,
+    pub tokens_per_s_p2p: f64,
+    pub kernel_ms: f64,
+    pub collective_ms: f64,
+    pub collective_ms_p2p: f64,
+    /// Loads and stores of every launch on one GPU.
+    pub bytes_per_gpu: f64,
+    /// The same, each distinct byte of each launch once.
+    pub compulsory_bytes_per_gpu: f64,
+    pub weight_bytes_per_gpu: f64,
+    pub kv_bytes_per_gpu: f64,
+    pub launches: usize,
+    pub collectives: usize,
+}
+
+impl StepPerf {
+    fn of(program: &Program, context: usize, tokens: usize, perf: &ProgramPerf) -> StepPerf {
+        let (step, step_p2p) = (perf.step_us(false), perf.step_us(true));
+        let bytes = perf.bytes();
+        StepPerf {
+            program: program.name.clone(),
+            context,
+            step_ms: step / 1e3,
+            tokens_per_s: tokens as f64 / step * 1e6,
+            step_ms_p2p: step_p2p / 1e3,
+            tokens_per_s_p2p: tokens as f64 / step_p2p * 1e6,
+            kernel_ms: perf.kernel_us() / 1e3,
+            collective_ms: perf.collective_us(false) / 1e3,
+            collective_ms_p2p: perf.collective_us(true) / 1e3,
+            bytes_per_gpu: bytes.total(),
+            compulsory_bytes_per_gpu: perf.compulsory().total(),
+            weight_bytes_per_gpu: bytes.weights,
+            kv_bytes_per_gpu: bytes.kv,
+            launches: perf.launches.len(),
+            collectives: perf.collectives.len(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DecodeRow {
+    pub batch: usize,
+    #[serde(flatten)]
+    pub step: StepPerf,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PrefillRow {
+    /// Real tokens of the chunk (the program's bucket).
+    pub chunk: usize,
+    /// Cached positions before the chunk (the chunk's tokens sit at `prefix ..`).
+    pub prefix: usize,
+    #[serde(flatten)]
+    pub step: StepPerf,
+}
+
+/// Identical launches of the detailed program, summed.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TopLaunch {
+    /// Kernel instance (or `nccl all_reduce` / `nccl all_gather`).
+    pub kernel: String,
+    pub family: String,
+    pub op: String,
+    /// Launches per step.
+    pub count: usize,
+    pub us_each: f64,
+    pub ms_total: f64,
+    /// Of the step time (NCCL).
+    pub share: f64,
+    pub bytes_each: f64,
+    pub compulsory_bytes_each: f64,
+    pub blocks: f64,
+    pub bound: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Top {
+    pub program: String,
+    pub batch: usize,
+    pub context: usize,
+    pub step_ms: f64,
+    pub launches: Vec<TopLaunch>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Assumptions {
+    pub target: String,
+    #[serde(flatten)]
+    pub constants: Constants,
+    pub notes: Vec<String>,
+}
+
+/// `perf` of `kiln inspect --perf --json`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Report {
+    pub assumptions: Assumptions,
+    pub decode: Vec<DecodeRow>,
+    pub prefill: Vec<PrefillRow>,
+    pub top: Top,
+}
+
+/// The notes every report states beside the constants.
+fn notes(plan: &Plan) -> Vec<String> {
+    let m = &plan.model;
+    vec![
+        "every figure is predicted by this model, none is measured".into(),
+        "launch time = max(bytes / (DRAM x efficiency), sum of flops / rate per unit) / occupancy + launch; occupancy = min(1, working blocks / SMs)".into(),
+        "bytes = every global load and store a kernel executes, counted per lane as the PTX emulator counts them (weights, activations, KV cache, inputs); L2 is not a cache for weights, nor for anything else: a re-read counts again".into(),
+        "a step = sum of its launches and collectives (one CUDA graph per rank, nothing overlaps); all ranks run the same program".into(),
+        format!(
+            "collectives: NCCL (today's runtime) for every all-reduce and all-gather (the gathered bytes); the p2p columns use the one-shot P2P all-reduce (not built yet) for all-reduces up to the P2P limit, with (ranks - 1) = {} transfers",
+            plan.ranks().saturating_sub(1)
+        ),
+        format!(
+            "routing: uniform, each expert gets Binomial(tokens, {}/{}) tokens (expected values; a real step waits for its busiest rank)",
+            m.num_experts_per_tok, m.n_routed_experts
+        ),
+        "decode: every sequence of the bucket at the row's context (its token at position context - 1); prefill: one sequence, the chunk at positions prefix .., logits of its last token".into(),
+    ]
+}
+
+/// The whole report: decode buckets x [`CONTEXTS`], prefill buckets (from position 0, and the
+/// largest one as the last chunk of each context), and the launches of the decode bucket of
+/// `batch` sequences at `context` summed by kernel, longest first.
+pub fn report(plan: &Plan, k: &Constants, mut notes_extra: Vec<String>, batch: usize, context: usize) -> Result<Report, String> {
+    let ranks = plan.ranks();
+    let experts = |t: usize| uniform_experts(plan, t);
+    let max_context = plan.memory.kv.max_context;
+    let mut contexts: Vec<usize> = CONTEXTS.iter().copied().filter(|&c| c <= max_context).collect();
+    if contexts.is_empty() {
+        contexts.push(max_context.max(1));
+    }
+    let mut decode = Vec::new();
+    let mut prefill = Vec::new();
+    for p in &plan.programs {
+        match p.kind {
+            ProgramKind::Decode { batch } => {
+                for &c in &contexts {
+                    let perf = predict_program(plan, p, &Load::decode(p.tokens, batch, c, experts, ranks), k)?;
+                    decode.push(DecodeRow { batch, step: StepPerf::of(p, c, batch, &perf) });
+                }
+            }
+            ProgramKind::Prefill { chunk } => {
+                let chunk = chunk.min(p.tokens);
+                let perf = predict_program(plan, p, &Load::prefill(p.tokens, chunk, 0, experts, ranks), k)?;
+                prefill.push(PrefillRow { chunk, prefix: 0, step: StepPerf::of(p, chunk, chunk, &perf) });
+            }
+        }
+    }
+    let largest = plan.programs.iter().filter(|p| matches!(p.kind, ProgramKind::Prefill { .. })).max_by_key(|p| p.tokens);
+    if let Some(p) = largest {
+        let chunk = p.tokens;
+        for &c in contexts.iter().filter(|&&c| c > chunk) {
+            let perf = predict_program(plan, p, &Load::prefill(p.tokens, chunk, c - chunk, experts, ranks), k)?;
+            prefill.push(PrefillRow { chunk, prefix: c - chunk, step: StepPerf::of(p, c, chunk, &perf) });
+        }
+    }
+    let top = top(plan, k, batch, context.min(max_context))?;
+    if context > max_context {
+        notes_extra.push(format!("the detailed decode step is at context {max_context}, the plan's --max-context"));
+    }
+    let mut all_notes = notes(plan);
+    all_notes.extend(notes_extra);
+    Ok(Report { assumptions: Assumptions { target: plan.target.name.clone(), constants: *k, notes: all_notes }, decode, prefill, top })
+}
+
+/// The decode bucket holding `batch` sequences at `context`, its launches summed by kernel
+/// instance and grid, and its collectives by kind, longest first.
+pub fn top(plan: &Plan, k: &Constants, batch: usize, context: usize) -> Result<Top, String> {
+    let pi = plan.decode_program(batch.max(1)).ok_or_else(|| format!("the plan has no decode program for {batch} sequences"))?;
+    let p = &plan.programs[pi];
+    let perf = predict_program(plan, p, &Load::decode(p.tokens, batch.max(1), context, |t| uniform_experts(plan, t), plan.ranks()), k)?;
+    let step_us = perf.step_us(false);
+    let mut groups: BTreeMap<(u32, [u32; 3]), Vec<&LaunchPerf>> = BTreeMap::new();
+    for l in &perf.launches {
+        groups.entry((l.kernel.0, p.steps[l.step].launches[l.launch].grid)).or_default().push(l);
+    }
+    let mut launches: Vec<TopLaunch> = groups
+        .values()
+        .map(|ls| {
+            let n = ls.len() as f64;
+            let first = ls[0];
+            let kernel = plan.kernel(first.kernel);
+            let total: f64 = ls.iter().map(|l| l.time.us).sum();
+            TopLaunch {
+                kernel: kernel.name.clone(),
+                family: kernel.family.name().into(),
+                op: p.steps[first.step].op.name().into(),
+                count: ls.len(),
+                us_each: total / n,
+                ms_total: total / 1e3,
+                share: total / step_us,
+                bytes_each: ls.iter().map(|l| l.cost.bytes.total()).sum::<f64>() / n,
+                compulsory_bytes_each: ls.iter().map(|l| l.cost.compulsory.total()).sum::<f64>() / n,
+                blocks: ls.iter().map(|l| l.cost.blocks).sum::<f64>() / n,
+                bound: first.time.bound.label().into(),
+            }
+        })
+        .collect();
+    for all_reduce in [true, false] {
+        let cs: Vec<&CollectivePerf> = perf.collectives.iter().filter(|c| c.all_reduce == all_reduce).collect();
+        if cs.is_empty() {
+            continue;
+        }
+        let n = cs.len() as f64;
+        let total: f64 = cs.iter().map(|c| c.nccl_us).sum();
+        let bytes = cs.iter().map(|c| c.bytes as f64).sum::<f64>() / n;
+        launches.push(TopLaunch {
+            kernel: if all_reduce { "nccl all_reduce".into() } else { "nccl all_gather".into() },
+            family: "collective".into(),
+            op: if all_reduce { "all_reduce".into() } else { "all_gather".into() },
+            count: cs.len(),
+            us_each: total / n,
+            ms_total: total / 1e3,
+            share: total / step_us,
+            bytes_each: bytes,
+            compulsory_bytes_each: bytes,
+            blocks: 0.0,
+            bound: "latency".into(),
+        });
+    }
+    launches.sort_by(|a, b| b.ms_total.total_cmp(&a.ms_total));
+    launches.truncate(10);
+    Ok(Top { program: p.name.clone(), batch: batch.max(1), context, step_ms: step_us / 1e3, launches })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_launch_takes_its_slower_roof_scaled_by_occupancy_plus_the_launch() {
+        let k = Constants::SM120A;
+        // 1.5232 GB at 1.792 TB/s x 0.85 is 1 ms on the whole GPU
+        let mut c = Cost { blocks: 188.0, ..Default::default() };
+        c.bytes.weights = 1.5232e9;
+        let t = launch_time(&c, &k);
+        assert!((t.us - 1001.5).abs() < 1e-6 && t.bound == Bound::Memory, "{t:?}");
+        // half the SMs: half the bandwidth
+        c.blocks = 94.0;
+        assert!((launch_time(&c, &k).us - 2001.5).abs() < 1e-6);
+        // 1.6 PFLOP of FP4 mma is 1 s; more blocks than SMs do not help
+        let mut f = Cost { blocks: 1000.0, ..Default::default() };
+        f.flops.fp4_mma = 1.6e12;
+        f.flops.fp32 = 6e7;
+        let t = launch_time(&f, &k);
+        assert!((t.us - (1e3 + 1.0 + 1.5)).abs() < 1e-6 && t.bound == Bound::Fp4Mma, "{t:?}");
+    }
+
+    #[test]
+    fn small_all_reduces_may_take_the_one_shot_p2p_path() {
+        let k = Constants::SM120A;
+        let (nccl, p2p) = collective_time(true, 12_288.0, 8, &k);
+        assert!((nccl - (25.0 + 12_288.0 / 40e3)).abs() < 1e-9);
+        assert!((p2p.unwrap() - (8.0 + 7.0 * 12_288.0 / 50e3)).abs() < 1e-9);
+        assert_eq!(collective_time(true, 65_537.0, 8, &k).1, None);
+        assert!(collective_time(true, 65_536.0, 8, &k).1.is_some());
+        assert_eq!(collective_time(false, 1_024.0, 8, &k).1, None, "all-gathers stay on NCCL");
+    }
+}

@@ -1,0 +1,529 @@
+//! The performance model (`kiln inspect --perf`, runtime/src/perf) against the PTX emulator: the
+//! bytes the model says each launch loads and stores are what the emulator counts when it runs
+//! the launch, class by class (weights, activations, KV cache, inputs + RoPE table, stores), on
+//! the `micro` model compiled for sm_120a at TP 2: prefill chunks (tiled GEMMs; a full chunk from
+//! position 0 and a padded one after a prefix) and decode buckets (GEMVs, split-K GEMMs; a full
+//! bucket and one with a padding row), every launch of every replayed program on both ranks, on
+//! the state the CPU backend had before the step (real routing, top-k lists and page tables).
+//! The load the model is given is read off the same state (positions, routing, ids).
+//!
+//! Tolerance: none. The model counts each template's loads and stores per lane, as the emulator
+//! does, so every class must match to the byte; a template change that moves traffic (or a
+//! lowering change that picks another form) fails here until the model follows it.
+//!
+//! Also: `kiln inspect --perf` on the full GLM-5 skeleton is instant, prints its assumptions and
+//! has a model for every launch; `--json` keeps the summary and adds `perf`; CPU plans are refused.
+
+use kiln_runtime::emu::{self, BufferId, GlobalMemory, KernelArg, Module};
+use kiln_runtime::perf::{launch_cost, Bytes, Experts, Load, Tokens};
+use kiln_runtime::plan::{BufId, DType, LaunchArg, Op, Plan, Program};
+use kiln_runtime::session::{LogitRows, Session, SessionOptions};
+use kiln_runtime::verify::{ArgValue, StepInputs, StepRegions, Values};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::{Arc, Mutex};
+
+fn kiln(args: &[&str]) -> Output {
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).output().expect("run kiln");
+    assert!(o.status.success(), "kiln {args:?} failed:\n{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    o
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-perf-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// One launched step of one replay on one rank: the buffers its launches pass (and the routing,
+/// the inputs the load is read from) and the cache layers they address, before the step.
+struct Record {
+    replay: usize,
+    program: usize,
+    step: usize,
+    rank: usize,
+    values: Vec<(BufId, Values)>,
+    kv: Vec<(u32, Vec<u8>)>,
+}
+
+/// Runs `drive` on the CPU backend, recording every launched step of every replay.
+fn record(session: &mut Session, drive: impl FnOnce(&mut Session)) -> Vec<Record> {
+    let plan = session.plan().clone();
+    let records = Arc::new(Mutex::new(Vec::<Record>::new()));
+    let sink = records.clone();
+    let mut replay = 0usize;
+    session.cpu_mut().expect("CPU backend").set_observer(Some(Box::new(move |view: &kiln_runtime::cpu::StepView| {
+        if view.phase != kiln_runtime::cpu::StepPhase::Before {
+            return;
+        }
+        if view.step == 0 {
+            replay += 1;
+        }
+        let p = &plan.programs[view.program];
+        let step = &p.steps[view.step];
+        if step.launches.is_empty() {
+            return;
+        }
+        let i = p.inputs;
+        let mut bufs: Vec<BufId> = step.launches.iter().flat_map(|l| &l.args).filter_map(|a| if let LaunchArg::Buffer(b) = a { Some(*b) } else { None }).collect();
+        bufs.extend([i.ids, i.positions, i.token_seq, i.logit_rows]);
+        if let Op::MoeExperts { ids, .. } = step.op {
+            bufs.push(ids);
+        }
+        bufs.sort();
+        bufs.dedup();
+        let layers: Vec<u32> = step.launches.iter().flat_map(|l| &l.args).filter_map(|a| if let LaunchArg::KvCache { layer } = a { Some(*layer) } else { None }).collect();
+        let slots = view.kv_slots();
+        let mut recs = sink.lock().unwrap();
+        for rank in 0..view.ranks() {
+            let values = bufs
+                .iter()
+                .map(|&b| {
+                    let v = if p.buffer(b).dtype == DType::I32 { Values::I32(view.buffer_i32(rank, b).to_vec()) } else { Values::F32(view.buffer_f32(rank, b).to_vec()) };
+                    (b, v)
+                })
+                .collect();
+            let kv = layers.iter().map(|&l| (l, view.kv_layer_bytes(rank, l as usize, slots))).collect();
+            recs.push(Record { replay, program: view.program, step: view.step, rank, values, kv });
+        }
+    })));
+    drive(session);
+    session.cpu_mut().unwrap().set_observer(None);
+    let taken = std::mem::take(&mut *records.lock().unwrap());
+    taken
+}
+
+fn ints(values: &[(BufId, Values)], b: BufId) -> &[i32] {
+    match values.iter().find(|(x, _)| *x == b).map(|(_, v)| v) {
+        Some(Values::I32(v)) => v,
+        _ => panic!("buffer {} was not recorded as I32", b.0),
+    }
+}
+
+/// The model's load for one recorded step: positions, routing and ids as the state has them.
+fn load_of(plan: &Plan, p: &Program, r: &Record) -> Load {
+    let i = p.inputs;
+    let (pos, seq) = (ints(&r.values, i.positions), ints(&r.values, i.token_seq));
+    let tokens = Tokens { positions: pos.iter().zip(seq).map(|(&p, &s)| (s >= 0).then_some(p as u32)).collect() };
+    let step = &p.steps[r.step];
+    let experts = match step.op {
+        Op::MoeExperts { ids, experts_local, expert_parallel, .. } => {
+            let top_k = p.buffer(ids).shape.last().copied().unwrap_or(1);
+            let first = if expert_parallel { r.rank * experts_local } else { 0 };
+            Experts::count(ints(&r.values, ids), top_k, seq, first, experts_local)
+        }
+        _ => Experts::default(),
+    };
+    let embed_rows = match step.op {
+        Op::Embed { vocab_rows, .. } => {
+            let lo = (r.rank * vocab_rows) as i64;
+            ints(&r.values, i.ids).iter().filter(|&&id| (lo..lo + vocab_rows as i64).contains(&(id as i64))).count() as f64
+        }
+        _ => 0.0,
+    };
+    let logit_rows = match step.op {
+        Op::GatherRows { input, .. } => {
+            let in_rows = p.buffer(input).shape.iter().product::<usize>() / p.buffer(input).shape.last().copied().unwrap_or(1).max(1);
+            ints(&r.values, i.logit_rows).iter().filter(|&&x| x >= 0 && (x as usize) < in_rows).count() as f64
+        }
+        _ => 0.0,
+    };
+    let _ = plan;
+    Load { tokens, experts, embed_rows, logit_rows }
+}
+
+/// Runs the step's launches in order in one emulated memory and returns each launch's bytes by
+/// class (from the per-region load counters) with its stores.
+fn emulate(plan: &Plan, p: &Program, r: &Record, arena: &[u8], rope: &[u8], modules: &mut HashMap<u32, Module>) -> Vec<Bytes> {
+    let step = &p.steps[r.step];
+    let mut g = GlobalMemory::new();
+    let mut regions = StepRegions::<BufferId>::default();
+    let value = |b: BufId| r.values.iter().find(|(x, _)| *x == b).map(|(_, v)| v.clone()).expect("recorded buffer");
+    let kv_layer = |l: u32| r.kv.iter().find(|(x, _)| *x == l).map(|(_, v)| v.clone()).expect("recorded layer");
+    let st = StepInputs { value: &value, arena, rank: r.rank, kv_layer: &kv_layer, rope_table: rope };
+    let i = p.inputs;
+    let inputs = [i.ids, i.positions, i.token_seq, i.slots, i.page_table, i.logit_rows];
+    let mut out = Vec::new();
+    for l in &step.launches {
+        let kernel = plan.kernel(l.kernel);
+        let module = modules.entry(l.kernel.0).or_insert_with(|| Module::parse(&kernel.ptx, &kernel.name).expect("parse"));
+        let args = regions
+            .args(plan, p, l, &step.op.reads(), &st, &mut |name, bytes| {
+                let id = g.alloc_bytes(name, bytes);
+                Ok((id, g.addr(id)))
+            })
+            .expect("launch arguments");
+        let args: Vec<KernelArg> = args
+            .into_iter()
+            .map(|v| match v {
+                ArgValue::Addr(a) => KernelArg::U64(a),
+                ArgValue::U32(x) => KernelArg::U32(x),
+                ArgValue::F32(x) => KernelArg::F32(x),
+            })
+            .collect();
+        let before = counters(&g, &regions, &inputs);
+        let stats = emu::launch(module, &kernel.entry, l.grid, l.block, l.smem_dynamic, &args, &g).unwrap_or_else(|e| panic!("{}: {e}", kernel.name));
+        let after = counters(&g, &regions, &inputs);
+        let mut b = Bytes { written: stats.global_bytes_written() as f64, ..Default::default() };
+        b.weights = after.weights - before.weights;
+        b.activations = after.activations - before.activations;
+        b.kv = after.kv - before.kv;
+        b.aux = after.aux - before.aux;
+        assert_eq!(b.read(), stats.global_bytes_read() as f64, "{}: every load falls in a region", kernel.name);
+        out.push(b);
+    }
+    out
+}
+
+/// Bytes loaded so far from each class of region.
+fn counters(g: &GlobalMemory, r: &StepRegions<BufferId>, inputs: &[BufId]) -> Bytes {
+    let mut b = Bytes::default();
+    for (buf, id, _) in &r.bufs {
+        let n = g.bytes_loaded(*id) as f64;
+        if inputs.contains(buf) {
+            b.aux += n;
+        } else {
+            b.activations += n;
+        }
+    }
+    b.weights = r.weights.iter().map(|(_, id, _)| g.bytes_loaded(*id) as f64).sum();
+    b.kv = r.layers.iter().map(|(_, id, _)| g.bytes_loaded(*id) as f64).sum();
+    b.aux += r.rope.as_ref().map_or(0.0, |(id, _)| g.bytes_loaded(*id) as f64);
+    b
+}
+
+fn micro_plan(dir: &Path) -> (PathBuf, PathBuf) {
+    let ckpt = dir.join("ckpt");
+    let art = dir.join("art");
+    kiln(&["synth", "micro", "-o", s(&ckpt)]);
+    kiln(&[
+        "compile", s(&ckpt), "--target", "sm_120a", "--tp", "2", "--no-ptxas", "--prefill-chunk", "128", "--decode-batches", "1,4", "--max-context", "512", "-o", s(&art),
+    ]);
+    (ckpt, art)
+}
+
+#[test]
+fn the_model_counts_every_launchs_bytes_as_the_emulator_does() {
+    let dir = scratch("bytes");
+    let (ckpt, art) = micro_plan(&dir);
+    let mut session = Session::open(&art, Some(&ckpt), SessionOptions::default()).expect("open the micro plan");
+    let plan = session.plan().clone();
+    let vocab = plan.model.vocab_size as u64;
+    let ids = |n: usize, salt: u64| (0..n as u64).map(|i| ((i * 7919 + salt * 104_729 + 13) % vocab) as u32).collect::<Vec<u32>>();
+    let records = record(&mut session, |s| {
+        // a full prefill chunk from position 0, then one padded chunk after a prefix of 128
+        let a = s.new_sequence();
+        s.prefill(a, &ids(200, 1), LogitRows::Last).expect("prefill");
+        // three short prompts (the 32-token bucket), longer than index_topk
+        let others: Vec<_> = (0..3)
+            .map(|i| {
+                let q = s.new_sequence();
+                s.prefill(q, &ids(20 + 3 * i, 2 + i as u64), LogitRows::Last).expect("prefill");
+                q
+            })
+            .collect();
+        // a full decode bucket, one with a padding row, and a bucket of one
+        let all: Vec<_> = std::iter::once(a).chain(others.iter().copied()).collect();
+        s.decode(&all.iter().enumerate().map(|(i, &q)| (q, 100 + i as u32)).collect::<Vec<_>>()).expect("decode 4");
+        s.decode(&all[..3].iter().enumerate().map(|(i, &q)| (q, 200 + i as u32)).collect::<Vec<_>>()).expect("decode 3");
+        s.decode(&[(others[0], 7)]).expect("decode 1");
+    });
+    let rope = kiln_runtime::cpu::rope::Rope::plan_table_bytes(&plan);
+    let mut modules = HashMap::new();
+    let mut failures = Vec::new();
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    let (mut launches, mut emu_total) = (0usize, 0f64);
+    let mut programs_seen = std::collections::BTreeSet::new();
+    for r in &records {
+        let p = &plan.programs[r.program];
+        programs_seen.insert(p.name.clone());
+        let arena = session.cpu().and_then(|c| c.arena(r.rank)).expect("arena");
+        let emulated = emulate(&plan, p, r, arena, &rope, &mut modules);
+        let load = load_of(&plan, p, r);
+        let step = &p.steps[r.step];
+        for (li, emu) in emulated.iter().enumerate() {
+            let kernel = plan.kernel(step.launches[li].kernel);
+            *seen.entry(kernel.template.clone()).or_default() += 1;
+            launches += 1;
+            emu_total += emu.read() + emu.written;
+            let model = launch_cost(&plan, step, li, &load).unwrap_or_else(|e| panic!("{}: {e}", kernel.name)).bytes;
+            let classes = [
+                ("weights", model.weights, emu.weights),
+                ("activations", model.activations, emu.activations),
+                ("kv", model.kv, emu.kv),
+                ("inputs", model.aux, emu.aux),
+                ("written", model.written, emu.written),
+            ];
+            for (class, m, e) in classes {
+                if (m - e).abs() > 1e-6 * e.max(1.0) {
+                    failures.push(format!("replay {} {} step {} ({}) launch {li} rank {} {}: {class} model {m} B, emulator {e} B", r.replay, p.name, r.step, step.op.name(), r.rank, kernel.name));
+                }
+            }
+        }
+    }
+    eprintln!("{launches} launches of {programs_seen:?}, {emu_total:.0} B in all; by template: {seen:?}");
+    for f in failures.iter().take(40) {
+        eprintln!("{f}");
+    }
+    assert!(failures.is_empty(), "{} of the model's byte counts differ from the emulator's", failures.len());
+    // every template kiln has, in both decode and prefill forms
+    for t in ["embed", "rmsnorm", "linear_bf16_gemv", "linear_nvfp4_gemv", "linear_bf16_gemm", "linear_nvfp4_gemm", "mla_kv_write", "indexer_key_write", "indexer_topk", "mla_attention", "router", "moe_gate_up", "moe_down", "add", "gather_rows"] {
+        assert!(seen.contains_key(t), "no launch of {t} was checked: {seen:?}");
+    }
+    for p in ["prefill_128", "prefill_32", "decode_4", "decode_1"] {
+        assert!(programs_seen.contains(p), "{p} did not replay: {programs_seen:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A launch of the GLM-5 skeleton's plan run alone on rank 0 in the emulator, on crafted state:
+/// zero weights (F32 scales 1), zero activations, `active` real tokens at positions `first ..`
+/// (prefill: one sequence; decode: one each, all at `first`), 64 pages per sequence, top-k lists
+/// of every cached position, routing of 8 distinct experts per token. Returns the emulator's bytes and the model's load.
+fn emulate_crafted(plan: &Plan, p: &Program, s: usize, active: usize, first: u32) -> (Vec<Bytes>, Load) {
+    let step = &p.steps[s];
+    let t = p.tokens;
+    let i = p.inputs;
+    let decode = matches!(p.kind, kiln_runtime::plan::ProgramKind::Decode { .. });
+    let pos: Vec<i32> = (0..t).map(|r| if decode { first as i32 } else { first as i32 + r as i32 }).collect();
+    let seq: Vec<i32> = (0..t).map(|r| if r < active { if decode { r as i32 } else { 0 } } else { -1 }).collect();
+    let pps = p.buffer(i.page_table).shape.last().copied().unwrap_or(1);
+    let seqs = p.buffer(i.page_table).shape.iter().product::<usize>() / pps;
+    // 64 pages per sequence (4096 positions at GLM-5's page size), the rest unassigned
+    let pages: Vec<i32> = (0..seqs * pps).map(|x| if x % pps < 64 { ((x / pps) * 64 + x % pps) as i32 } else { -1 }).collect();
+    let mut ints: HashMap<BufId, Vec<i32>> = HashMap::from([(i.positions, pos.clone()), (i.token_seq, seq.clone()), (i.page_table, pages)]);
+    let mut experts = Experts::default();
+    match step.op {
+        Op::MlaAttention { topk: Some(b), .. } => {
+            let w = p.buffer(b).shape.last().copied().unwrap_or(1);
+            ints.insert(b, (0..t * w).map(|x| if (x % w) as i32 <= pos[x / w] { (x % w) as i32 } else { -1 }).collect());
+        }
+        Op::MoeExperts { ids, experts_local, .. } => {
+            let k = p.buffer(ids).shape.last().copied().unwrap_or(1);
+            let v: Vec<i32> = (0..t * k).map(|x| (((x / k) * 8 + (x % k) * 29) % plan.model.n_routed_experts) as i32).collect();
+            experts = Experts::count(&v, k, &seq, 0, experts_local);
+            ints.insert(ids, v);
+        }
+        _ => {}
+    }
+    let kv = &plan.memory.kv;
+    let mut g = GlobalMemory::new();
+    let mut regions: HashMap<String, BufferId> = HashMap::new();
+    let inputs = [i.ids, i.positions, i.token_seq, i.slots, i.page_table, i.logit_rows];
+    let mut out = Vec::new();
+    for l in &step.launches {
+        let kernel = plan.kernel(l.kernel);
+        let module = Module::parse(&kernel.ptx, &kernel.name).expect("parse");
+        let mut args = Vec::new();
+        let mut class_of: Vec<(BufferId, &'static str)> = Vec::new();
+        for a in &l.args {
+            let (key, len, class) = match *a {
+                LaunchArg::Buffer(b) => (format!("b{}", b.0), p.buffer(b).bytes as usize, if inputs.contains(&b) { "aux" } else { "act" }),
+                LaunchArg::Weight(w) => (format!("w{}", w.0), plan.weight(w).bytes as usize, "weights"),
+                LaunchArg::KvCache { layer } => (format!("kv{layer}"), kv.layer_bytes() as usize, "kv"),
+                LaunchArg::RopeTable => ("rope".into(), kv.rope_table_bytes() as usize, "aux"),
+                LaunchArg::U32(v) => {
+                    args.push(KernelArg::U32(v));
+                    continue;
+                }
+                LaunchArg::F32(v) => {
+                    args.push(KernelArg::F32(v));
+                    continue;
+                }
+                LaunchArg::PerRank(_) => {
+                    args.push(KernelArg::U32(0));
+                    continue;
+                }
+            };
+            let id = *regions.entry(key).or_insert_with(|| {
+                let id = g.alloc("region", len);
+                match *a {
+                    LaunchArg::Buffer(b) => {
+                        if let Some(v) = ints.get(&b) {
+                            g.write(id, 0, &v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>());
+                        }
+                    }
+                    LaunchArg::Weight(w) if plan.weight(w).dtype == DType::F32 && len <= 1 << 20 => {
+                        g.write(id, 0, &vec![1f32; len / 4].iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>());
+                    }
+                    _ => {}
+                }
+                id
+            });
+            class_of.push((id, class));
+            args.push(KernelArg::U64(g.addr(id)));
+        }
+        class_of.sort_by_key(|c| c.0 .0);
+        class_of.dedup();
+        let count = |g: &GlobalMemory| {
+            let mut b = Bytes::default();
+            for &(id, c) in &class_of {
+                let n = g.bytes_loaded(id) as f64;
+                match c {
+                    "weights" => b.weights += n,
+                    "kv" => b.kv += n,
+                    "aux" => b.aux += n,
+                    _ => b.activations += n,
+                }
+            }
+            b
+        };
+        let before = count(&g);
+        let stats = emu::launch(&module, &kernel.entry, l.grid, l.block, l.smem_dynamic, &args, &g).unwrap_or_else(|e| panic!("{}: {e}", kernel.name));
+        let after = count(&g);
+        out.push(Bytes {
+            weights: after.weights - before.weights,
+            activations: after.activations - before.activations,
+            kv: after.kv - before.kv,
+            aux: after.aux - before.aux,
+            written: stats.global_bytes_written() as f64,
+        });
+    }
+    let tokens = Tokens { positions: pos.iter().zip(&seq).map(|(&p, &s)| (s >= 0).then_some(p as u32)).collect() };
+    (out, Load { tokens, experts, embed_rows: 0.0, logit_rows: 0.0 })
+}
+
+/// The value of a kernel's template parameter.
+fn param(plan: &Plan, l: &kiln_runtime::plan::Launch, name: &str) -> u64 {
+    plan.kernel(l.kernel).params.iter().find(|(n, _)| n == name).map(|(_, v)| *v).unwrap_or(u64::MAX)
+}
+
+#[test]
+fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
+    let dir = scratch("glm5");
+    kiln(&["synth", "glm5", "-o", s(&dir.join("ckpt"))]);
+    kiln(&["compile", s(&dir.join("ckpt")), "--target", "sm_120a", "--tp", "8", "--no-ptxas", "-o", s(&dir.join("plan"))]);
+    let plan = kiln_runtime::plan::read_plan(&dir.join("plan")).expect("plan");
+    // (what, program, predicate on the step's first launch, real tokens, first position)
+    type Pick = (&'static str, &'static str, fn(&Plan, &kiln_runtime::plan::Launch) -> bool, usize, u32);
+    let picks: [Pick; 8] = [
+        ("split-K BF16 GEMM", "decode_32", |pl, l| plan_template(pl, l) == "linear_bf16_gemm" && param(pl, l, "SPLIT") == 1 && param(pl, l, "N") == 32, 32, 300),
+        ("split-K NVFP4 SiLU GEMM", "decode_32", |pl, l| plan_template(pl, l) == "linear_nvfp4_gemm" && param(pl, l, "SPLIT") == 1 && param(pl, l, "SILU") == 1, 32, 300),
+        ("attention, 2 heads per block", "decode_64", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "HG") == 2, 3, 150),
+        ("attention, 4 heads per block", "prefill_128", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "HG") == 4, 3, 150),
+        ("attention on the tensor cores", "prefill_512", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "MMA") == 1, 2, 150),
+        ("MoE on the tensor cores", "prefill_128", |pl, l| plan_template(pl, l) == "moe_gate_up" && param(pl, l, "MMA") == 1, 2, 10),
+        ("MoE on the CUDA cores at GLM-5 shapes", "decode_8", |pl, l| plan_template(pl, l) == "moe_gate_up" && param(pl, l, "MMA") == 0, 1, 10),
+        ("indexer top-k scoring 3000 positions", "decode_1", |pl, l| plan_template(pl, l) == "indexer_topk", 1, 2999),
+    ];
+    let mut failures = Vec::new();
+    for (what, program, pred, active, first) in picks {
+        let p = plan.programs.iter().find(|p| p.name == program).unwrap_or_else(|| panic!("no {program}"));
+        let s = p.steps.iter().position(|st| st.launches.first().is_some_and(|l| pred(&plan, l))).unwrap_or_else(|| panic!("{program} has no launch of the {what}"));
+        let t0 = std::time::Instant::now();
+        let (emulated, load) = emulate_crafted(&plan, p, s, active, first);
+        for (li, emu) in emulated.iter().enumerate() {
+            let name = &plan.kernel(p.steps[s].launches[li].kernel).name;
+            let model = launch_cost(&plan, &p.steps[s], li, &load).unwrap_or_else(|e| panic!("{name}: {e}")).bytes;
+            for (class, m, e) in [("weights", model.weights, emu.weights), ("activations", model.activations, emu.activations), ("kv", model.kv, emu.kv), ("inputs", model.aux, emu.aux), ("written", model.written, emu.written)] {
+                if (m - e).abs() > 1e-6 * e.max(1.0) {
+                    failures.push(format!("{what}: {program} step {s} launch {li} {name}: {class} model {m} B, emulator {e} B"));
+                }
+            }
+        }
+        eprintln!("{what}: {program} step {s} ({} launches) emulated in {:.1?}", emulated.len(), t0.elapsed());
+    }
+    for f in &failures {
+        eprintln!("{f}");
+    }
+    assert!(failures.is_empty(), "{} of the model's byte counts differ from the emulator's", failures.len());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn plan_template<'a>(plan: &'a Plan, l: &kiln_runtime::plan::Launch) -> &'a str {
+    &plan.kernel(l.kernel).template
+}
+
+const SHIPPED: &str = "artifacts/GLM-5-NVFP4-sm120a-tp8";
+
+fn inspect(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln")).arg("inspect").args(args).output().expect("run kiln inspect")
+}
+
+fn json(o: &Output) -> serde_json::Value {
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).expect("JSON")
+}
+
+#[test]
+fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
+    // the text: assumptions first, then decode, prefill and the longest launches
+    let t0 = std::time::Instant::now();
+    let o = inspect(&[SHIPPED, "--perf"]);
+    let secs = t0.elapsed().as_secs_f64();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8(o.stdout).unwrap();
+    let at = |needle: &str| text.find(needle).unwrap_or_else(|| panic!("no {needle:?} in:\n{text}"));
+    assert!(at("predicted performance") < at("assumptions"));
+    for c in ["1.792 TB/s x 0.85", "NVFP4 mma 1.6 PFLOP/s", "BF16 mma 0.4 PFLOP/s", "FP32 FMA 60 TFLOP/s", "188 SMs", "1.5 µs per kernel node", "25 µs + bytes / 40 GB/s", "8 µs + (ranks - 1) x bytes / 50 GB/s, up to 64 KiB", "not a cache for weights"] {
+        assert!(at(c) < at("  decode ("), "{c}");
+    }
+    assert!(at("  decode (") < at("  prefill (") && at("  prefill (") < at("top 10 launches of decode_1"));
+    assert!(secs < 10.0, "inspect --perf of the GLM-5 plan took {secs:.1} s");
+
+    // --json: the summary as without --perf, plus `perf`
+    let plain = json(&inspect(&[SHIPPED, "--json"]));
+    let j = json(&inspect(&[SHIPPED, "--json", "--perf"]));
+    assert!(plain.get("perf").is_none());
+    for (key, value) in plain.as_object().unwrap() {
+        assert_eq!(&j[key], value, "{key} changed with --perf");
+    }
+    let perf = &j["perf"];
+    let a = &perf["assumptions"];
+    for (key, want) in [("dram_tbps", 1.792), ("dram_efficiency", 0.85), ("fp4_pflops", 1.6), ("bf16_pflops", 0.4), ("fp32_tflops", 60.0), ("launch_us", 1.5), ("nccl_base_us", 25.0), ("nccl_gbps", 40.0), ("p2p_base_us", 8.0), ("p2p_gbps", 50.0), ("sms", 188.0), ("p2p_max_bytes", 65536.0)] {
+        assert_eq!(a[key].as_f64(), Some(want), "assumption {key}");
+    }
+    let decode = perf["decode"].as_array().unwrap();
+    assert_eq!(decode.len(), 7 * 4, "batches 1 .. 64 x contexts 2k, 8k, 32k, 128k");
+    for d in decode {
+        let (batch, step_ms, tps) = (d["batch"].as_f64().unwrap(), d["step_ms"].as_f64().unwrap(), d["tokens_per_s"].as_f64().unwrap());
+        assert!(step_ms > 0.0 && (tps - batch / step_ms * 1e3).abs() < 1e-6 * tps, "{d}");
+        assert!(d["step_ms_p2p"].as_f64().unwrap() <= step_ms + 1e-9, "{d}");
+        assert_eq!(d["launches"], 1552, "{d}");
+        assert_eq!(d["collectives"], 158, "{d}");
+        assert!(d["bytes_per_gpu"].as_f64().unwrap() >= d["compulsory_bytes_per_gpu"].as_f64().unwrap());
+    }
+    let row = |b: u64, c: u64| decode.iter().find(|d| d["batch"] == b && d["context"] == c).unwrap_or_else(|| panic!("no decode row {b} @ {c}"));
+    // a longer context reads more KV and takes longer; a larger batch more tokens per second
+    assert!(row(1, 131072)["step_ms"].as_f64() > row(1, 8192)["step_ms"].as_f64());
+    assert!(row(64, 2048)["tokens_per_s"].as_f64() > row(1, 2048)["tokens_per_s"].as_f64());
+    // batch 1 reads at least this GPU's share of the attention weights and its KV rows
+    assert!(row(1, 8192)["bytes_per_gpu"].as_f64().unwrap() > 5e9);
+    let prefill = perf["prefill"].as_array().unwrap();
+    assert!(prefill.iter().any(|p| p["chunk"] == 8192 && p["prefix"] == 0));
+    assert!(prefill.iter().all(|p| p["step_ms"].as_f64().unwrap() > 0.0 && p["tokens_per_s"].as_f64().unwrap() > 0.0));
+    let top = &perf["top"];
+    assert_eq!((top["program"].as_str(), top["batch"].as_u64(), top["context"].as_u64()), (Some("decode_1"), Some(1), Some(8192)));
+    let launches = top["launches"].as_array().unwrap();
+    assert_eq!(launches.len(), 10);
+    assert!(launches.windows(2).all(|w| w[0]["ms_total"].as_f64() >= w[1]["ms_total"].as_f64()));
+    assert!((top["step_ms"].as_f64().unwrap() - row(1, 8192)["step_ms"].as_f64().unwrap()).abs() < 1e-9);
+
+    // flags override the constants: twice the bandwidth, every row faster
+    let fast = json(&inspect(&[SHIPPED, "--json", "--perf", "--dram-tbps", "3.584", "--top-batch", "64", "--top-context", "2048"]));
+    assert_eq!(fast["perf"]["assumptions"]["dram_tbps"].as_f64(), Some(3.584));
+    assert_eq!(fast["perf"]["top"]["program"], "decode_64");
+    for (d, f) in decode.iter().zip(fast["perf"]["decode"].as_array().unwrap()) {
+        assert!(f["step_ms"].as_f64() < d["step_ms"].as_f64(), "{d} / {f}");
+    }
+    let bad = inspect(&[SHIPPED, "--perf", "--dram-efficiency", "1.5"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--dram-efficiency"));
+}
+
+#[test]
+fn inspect_perf_refuses_cpu_plans() {
+    let dir = scratch("cpu");
+    kiln(&["synth", "micro", "-o", s(&dir.join("ckpt"))]);
+    kiln(&["compile", s(&dir.join("ckpt")), "--target", "cpu", "-o", s(&dir.join("art"))]);
+    let o = inspect(&[s(&dir.join("art")), "--perf"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("GPU kernels") && err.contains("compiled for cpu"), "{err}");
+    assert!(inspect(&[s(&dir.join("art"))]).status.success(), "plain inspect still works");
+    let _ = std::fs::remove_dir_all(&dir);
+}
