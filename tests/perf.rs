@@ -18,7 +18,7 @@ use kiln_runtime::emu::{self, BufferId, GlobalMemory, KernelArg, Module};
 use kiln_runtime::perf::{launch_cost, Bytes, Experts, Load, Tokens};
 use kiln_runtime::plan::{BufId, DType, LaunchArg, Op, Plan, Program};
 use kiln_runtime::session::{LogitRows, Session, SessionOptions};
-use kiln_runtime::verify::{ArgValue, StepInputs, StepRegions, Values};
+use kiln_runtime::verify::{StepInputs, StepRegions, Values};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -159,14 +159,7 @@ fn emulate(plan: &Plan, p: &Program, r: &Record, arena: &[u8], rope: &[u8], modu
                 Ok((id, g.addr(id)))
             })
             .expect("launch arguments");
-        let args: Vec<KernelArg> = args
-            .into_iter()
-            .map(|v| match v {
-                ArgValue::Addr(a) => KernelArg::U64(a),
-                ArgValue::U32(x) => KernelArg::U32(x),
-                ArgValue::F32(x) => KernelArg::F32(x),
-            })
-            .collect();
+        let args: Vec<KernelArg> = args.into_iter().map(KernelArg::from).collect();
         let before = counters(&g, &regions, &inputs);
         let stats = emu::launch(module, &kernel.entry, l.grid, l.block, l.smem_dynamic, &args, &g).unwrap_or_else(|e| panic!("{}: {e}", kernel.name));
         let after = counters(&g, &regions, &inputs);

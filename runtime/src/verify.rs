@@ -102,6 +102,16 @@ pub enum ArgValue {
     F32(f32),
 }
 
+impl From<ArgValue> for KernelArg {
+    fn from(v: ArgValue) -> KernelArg {
+        match v {
+            ArgValue::Addr(a) => KernelArg::U64(a),
+            ArgValue::U32(x) => KernelArg::U32(x),
+            ArgValue::F32(x) => KernelArg::F32(x),
+        }
+    }
+}
+
 /// The memory one step's launches address, each buffer, weight slot, cache layer and the RoPE
 /// table in a region of its own, uploaded on first use (so an access past a region's end
 /// faults instead of reading its neighbour). `H` is the backend's handle of a region; each
@@ -203,14 +213,7 @@ pub fn emulate(plan: &Plan, program: &Program, launches: &[Launch], modules: &[&
             let id = g.alloc_bytes(name, bytes);
             Ok((id, g.addr(id)))
         })?;
-        let args: Vec<KernelArg> = values
-            .into_iter()
-            .map(|v| match v {
-                ArgValue::Addr(a) => KernelArg::U64(a),
-                ArgValue::U32(x) => KernelArg::U32(x),
-                ArgValue::F32(x) => KernelArg::F32(x),
-            })
-            .collect();
+        let args: Vec<KernelArg> = values.into_iter().map(KernelArg::from).collect();
         let stats = emu::launch(module, &kernel.entry, launch.grid, launch.block, launch.smem_dynamic, &args, &g).map_err(|e| format!("{}: {e}", kernel.name))?;
         bytes_read += stats.global_bytes_read();
         bytes_written += stats.global_bytes_written();

@@ -197,6 +197,29 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 }
 
 /// Decimal bytes with a unit (the model's byte counts are fractional expectations).
+/// The column heads of a decode or prefill table; `first` names the leading column.
+fn step_header(out: &mut String, first: &str) -> std::fmt::Result {
+    writeln!(out, "    {:>5} {:>7} {:>10} {:>9} {:>10} {:>9} {:>10} {:>10} {:>8} {:>5}", first, "context", "step ms", "tok/s", "p2p ms", "p2p tok/s", "bytes/GPU", "KV/GPU", "launches", "coll")
+}
+
+/// One row of a decode or prefill table, tokens/s with `digits` decimals.
+fn step_row(out: &mut String, first: usize, s: &perf::StepPerf, digits: usize) -> std::fmt::Result {
+    writeln!(
+        out,
+        "    {:>5} {:>7} {:>10.2} {:>9.digits$} {:>10.2} {:>9.digits$} {:>10} {:>10} {:>8} {:>5}",
+        first,
+        context(s.context),
+        s.step_ms,
+        s.tokens_per_s,
+        s.step_ms_p2p,
+        s.tokens_per_s_p2p,
+        gb(s.bytes_per_gpu),
+        gb(s.kv_bytes_per_gpu),
+        s.launches,
+        s.collectives
+    )
+}
+
 fn gb(bytes: f64) -> String {
     if bytes >= 1e9 {
         format!("{:.2} GB", bytes / 1e9)
@@ -240,43 +263,15 @@ fn perf_text(out: &mut String, r: &perf::Report) -> std::fmt::Result {
     }
     writeln!(out)?;
     writeln!(out, "  decode (predicted; tok/s = sequences / step)")?;
-    writeln!(out, "    {:>5} {:>7} {:>10} {:>9} {:>10} {:>9} {:>10} {:>10} {:>8} {:>5}", "batch", "context", "step ms", "tok/s", "p2p ms", "p2p tok/s", "bytes/GPU", "KV/GPU", "launches", "coll")?;
+    step_header(out, "batch")?;
     for d in &r.decode {
-        let s = &d.step;
-        writeln!(
-            out,
-            "    {:>5} {:>7} {:>10.2} {:>9.1} {:>10.2} {:>9.1} {:>10} {:>10} {:>8} {:>5}",
-            d.batch,
-            context(s.context),
-            s.step_ms,
-            s.tokens_per_s,
-            s.step_ms_p2p,
-            s.tokens_per_s_p2p,
-            gb(s.bytes_per_gpu),
-            gb(s.kv_bytes_per_gpu),
-            s.launches,
-            s.collectives
-        )?;
+        step_row(out, d.batch, &d.step, 1)?;
     }
     writeln!(out)?;
     writeln!(out, "  prefill (predicted; one sequence, tok/s = chunk / step)")?;
-    writeln!(out, "    {:>5} {:>7} {:>10} {:>9} {:>10} {:>9} {:>10} {:>10} {:>8} {:>5}", "chunk", "context", "step ms", "tok/s", "p2p ms", "p2p tok/s", "bytes/GPU", "KV/GPU", "launches", "coll")?;
+    step_header(out, "chunk")?;
     for p in &r.prefill {
-        let s = &p.step;
-        writeln!(
-            out,
-            "    {:>5} {:>7} {:>10.2} {:>9.0} {:>10.2} {:>9.0} {:>10} {:>10} {:>8} {:>5}",
-            p.chunk,
-            context(s.context),
-            s.step_ms,
-            s.tokens_per_s,
-            s.step_ms_p2p,
-            s.tokens_per_s_p2p,
-            gb(s.bytes_per_gpu),
-            gb(s.kv_bytes_per_gpu),
-            s.launches,
-            s.collectives
-        )?;
+        step_row(out, p.chunk, &p.step, 0)?;
     }
     let t = &r.top;
     writeln!(out)?;
