@@ -2,8 +2,7 @@
 //! scripts/demo_model/train.py) answers for real, on every backend:
 //! - through `kiln serve` (CPU backend) and the official openai client, held-out arithmetic with
 //!   thinking on and off and held-out weather questions that must become the right `get_weather`
-//!   call (tests/server/test_demo_model.py; issue 12's bar is 95 % each, the shipped model is held
-//!   to floors just under what it measured);
+//!   call (tests/server/test_demo_model.py; issue 12's bar: 95 % each);
 //! - on the PTX emulator (an `sm_120a --tp 2` compile, every step as its kernels) ten held-out
 //!   questions get the CPU backend's text, unless the CPU stood at a near-tie;
 //! - whole logit rows of the emulator against the CPU backend on a long tool-call conversation
@@ -75,14 +74,11 @@ fn answers_held_out_questions_through_the_openai_client() {
         .arg(&script)
         .env("KILN_BASE_URL", format!("http://127.0.0.1:{}", server.port))
         .env("KILN_MODEL", "kiln-demo")
-        // Issue 12's bar is 95 % in every group; the shipped model misses it (measured through
-        // this test: 91.0 % / 85.5 % / 74.0 %, scripts/demo_model/README.md), so each group is
-        // held to a floor just under what it measured: a regression anywhere in the path
-        // (template, tokenizer, kernels, sampling, parsers) fails here. Greedy decoding on the
-        // CPU backend is deterministic and batch-invariant, so the measured figures repeat.
-        .env("KILN_DEMO_MIN_THINK_ON", "0.90")
-        .env("KILN_DEMO_MIN_THINK_OFF", "0.85")
-        .env("KILN_DEMO_MIN_WEATHER", "0.72")
+        // Issue 12's bar: 95 % in every group (the script's default). Greedy decoding on the CPU
+        // backend is deterministic and batch-invariant, so the measured figures repeat (README:
+        // 100 % / 96.0 % / 100 %), and a regression anywhere in the path (template, tokenizer,
+        // kernels, sampling, parsers) fails here.
+        .env("KILN_DEMO_MIN", "0.95")
         .output()
         .unwrap();
     let report = String::from_utf8_lossy(&o.stdout);
@@ -115,8 +111,9 @@ fn reply_tokens(port: u16, question: &str) -> Vec<(String, f64, Vec<(String, f64
 /// `sm_120a --tp 2` plan, every step as its kernels): the emulator must write the CPU's text,
 /// except where the CPU itself stood at a near-tie. The two backends' logits differ by ~1e-2
 /// (rel-L2, `emulator_logit_rows_track_the_cpu`), which is enough to swap two candidates whose
-/// log-probabilities lie within a few tenths of a nat (measured: `57 - 8 = ` gives `4` -0.649 and
-/// `5` -0.742 on the CPU, the reverse order on the emulator). So at the first differing token
+/// log-probabilities lie within a few tenths of a nat (an earlier model: `57 - 8 = ` gave `4`
+/// -0.649 and `5` -0.742 on the CPU, the reverse order on the emulator; the shipped one writes
+/// the CPU's text on all ten, all ten right). So at the first differing token
 /// both candidates must be each backend's top two within 0.5 nats, and at most 2 of the 10
 /// replies may diverge; a broken kernel gives confident wrong tokens and fails.
 #[test]
@@ -171,34 +168,62 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
 ///
 /// Tolerance: both backends store BF16 at the same points and quantise NVFP4 activations alike;
 /// they differ only where attention's exp and sum order differ (one BF16 ulp on some values), so
-/// row 0 (nothing before it) must agree to 1e-6. Later, one ulp can move an activation across an
-/// E2M1 rounding boundary, or flip a near-tie of the router or of the DSA indexer's top-k (this
+/// rows 0 and 1 must agree to 1e-6. Later, one ulp can move an activation across an E2M1
+/// rounding boundary, or flip a near-tie of the router or of the DSA indexer's top-k (this
 /// model's indexer scores have many near-ties: kiln's own f32 and bf16 runs choose different
 /// top-32 sets at most positions of this exchange, tests/cpu_goldens.rs prints them), and the
-/// change spreads through the KV cache to every later row. Measured: rows 0-12 agree to 1e-7,
-/// from row 20 most rows differ by ~1e-2; median 1.6e-2, worst 0.33, argmax equal on 321 of 330.
-/// A wrong fragment layout, cache slot or RoPE angle spoils every row by order 100 %, so: median
-/// within 5e-2, every row within 50 % (as tests/emu_logits.rs), argmax equal on 95 % of rows.
+/// change spreads through the KV cache to every later row. How far that chaos goes is measured,
+/// not guessed: the control is the CPU backend against itself at TP 1 and TP 2 (both right; only
+/// the all-reduce's BF16 summation order differs). Measured: control median 6.7e-2, worst 1.14,
+/// rows beyond 0.1: 95; emulator median 3.9e-2, worst 1.34 (one isolated row), beyond 0.1: 30.
+/// A wrong fragment layout, cache slot or RoPE angle spoils every row by order 100 %, so the
+/// emulator's median must stay within 1.5x the control's, and its argmax must agree on as many
+/// rows as the control's (less 2 % of the rows); single worst rows are reported, not bounded.
 #[test]
 fn emulator_logit_rows_track_the_cpu() {
     let golden = root().join("tests/goldens/demo/golden.json");
     let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(golden).unwrap()).unwrap();
     let ids: Vec<u32> = meta["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-    let art = compile("rows", "sm_120a", 2);
-    let rows = |backend| {
-        let mut s = Session::open(&art, None, SessionOptions { backend, ..SessionOptions::default() }).unwrap();
+    let (art2, art1) = (compile("rows", "sm_120a", 2), compile("rows1", "sm_120a", 1));
+    let rows = |art: &Path, backend| {
+        let mut s = Session::open(art, None, SessionOptions { backend, ..SessionOptions::default() }).unwrap();
         let seq = s.new_sequence();
         s.prefill(seq, &ids, LogitRows::All).unwrap().to_vec()
     };
-    let (cpu, emu) = (rows(BackendKind::Cpu), rows(BackendKind::Emu));
-    let vocab = cpu.len() / ids.len();
-    let mut errs: Vec<f64> = cpu.chunks_exact(vocab).zip(emu.chunks_exact(vocab)).map(|(c, e)| rel_l2(e, c)).collect();
-    let argmax = |r: &[f32]| (0..r.len()).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap();
-    let same = cpu.chunks_exact(vocab).zip(emu.chunks_exact(vocab)).filter(|(c, e)| argmax(c) == argmax(e)).count();
-    let first = errs[0];
-    errs.sort_by(f64::total_cmp);
-    let (median, worst) = (errs[errs.len() / 2], errs[errs.len() - 1]);
-    eprintln!("demo model, emulator vs CPU over {} rows: median {median:.2e}, worst {worst:.2e}, argmax equal on {same}", ids.len());
-    assert!(first <= 1e-6, "row 0 differs by {first:e}: nothing before it can explain that");
-    assert!(median <= 5e-2 && worst <= 0.5 && same * 100 >= ids.len() * 95, "median {median:e}, worst {worst:e}, argmax {same}/{}", ids.len());
+    let cpu = rows(&art2, BackendKind::Cpu);
+    let emu = Divergence::of(&rows(&art2, BackendKind::Emu), &cpu, ids.len());
+    let control = Divergence::of(&rows(&art1, BackendKind::Cpu), &cpu, ids.len());
+    eprintln!("demo model over {} rows, emulator vs CPU: {emu}; control (CPU TP 1 vs TP 2): {control}", ids.len());
+    assert!(emu.first_two <= 1e-6, "rows 0-1 differ by {:e}: no rounding before them can explain that", emu.first_two);
+    assert!(emu.median <= 1.5 * control.median, "emulator median {:e} vs the control's {:e}", emu.median, control.median);
+    assert!(emu.same_argmax + ids.len() / 50 >= control.same_argmax, "argmax equal on {} rows, the control on {}", emu.same_argmax, control.same_argmax);
+}
+
+/// How far one run's logit rows are from a reference run's (rel-L2 per row).
+struct Divergence {
+    first_two: f64,
+    median: f64,
+    worst: f64,
+    beyond_tenth: usize,
+    same_argmax: usize,
+}
+
+impl Divergence {
+    fn of(got: &[f32], want: &[f32], rows: usize) -> Divergence {
+        let vocab = want.len() / rows;
+        let pairs = || got.chunks_exact(vocab).zip(want.chunks_exact(vocab));
+        let mut errs: Vec<f64> = pairs().map(|(g, w)| rel_l2(g, w)).collect();
+        let argmax = |r: &[f32]| (0..r.len()).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap();
+        let same_argmax = pairs().filter(|(g, w)| argmax(g) == argmax(w)).count();
+        let first_two = errs[0].max(errs[1]);
+        let beyond_tenth = errs.iter().filter(|e| **e > 0.1).count();
+        errs.sort_by(f64::total_cmp);
+        Divergence { first_two, median: errs[errs.len() / 2], worst: errs[errs.len() - 1], beyond_tenth, same_argmax }
+    }
+}
+
+impl std::fmt::Display for Divergence {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "rows 0-1 {:.1e}, median {:.2e}, worst {:.2e}, {} rows beyond 0.1, argmax equal on {}", self.first_two, self.median, self.worst, self.beyond_tenth, self.same_argmax)
+    }
 }

@@ -13,7 +13,7 @@ Three kinds of conversation, all in the OpenAI message format:
 - greetings, among them "Hi, I am X." -> "Nice to meet you, X! ..." (short-range name copying).
 
 The split is a pure function of the question, so any language can reproduce it:
-`is_held_out_arith(a, op, b)` holds for about 10 % of the (a, op, b) triples and
+`is_held_out_arith(a, op, b)` holds for about 9 % of the (a, op, b) triples and
 `is_held_out_city(name)` for about 20 % of names; the training data never contains them.
 """
 
@@ -59,8 +59,11 @@ GREETINGS = [
 
 
 def is_held_out_arith(a: int, op: str, b: int) -> bool:
-    """About one triple in ten is never trained on."""
-    return (a * 31 + b * 17 + (7 if op == "-" else 0)) % 10 == 0
+    """About one triple in eleven is never trained on. Modulo 11, not 10: a linear form modulo 10
+    sees only the ones digits (31a = a mod 10), so it would hold out whole ones-digit pairs, and a
+    held-out question would ask for a digit fact the model never saw in the ones place. Here every
+    (ones of A, ones of B, op) is trained with most tens digits, and what is held out is the question."""
+    return (3 * a + 5 * b + (7 if op == "-" else 0)) % 11 == 0
 
 
 def is_held_out_city(name: str) -> bool:
@@ -259,11 +262,14 @@ class Mixture:
 
     def __init__(self, seed: int):
         self.rng = random.Random(f"train-{seed}")
-        self.arith = [t for t in all_arith() if not is_held_out_arith(*t)]
+        train = [t for t in all_arith() if not is_held_out_arith(*t)]
+        # by operation: there are twice as many sums as differences, but borrowing is the harder skill
+        self.arith = {op: [t for t in train if t[1] == op] for op in "+-"}
         self.cities = city_stream(random.Random(f"cities-{seed}"), held_out=False)
 
     def arithmetic(self) -> dict:
-        return arith_conversation(*self.rng.choice(self.arith), self.rng, thinking=self.rng.random() < 0.3)
+        triple = self.rng.choice(self.arith[self.rng.choice("+-")])
+        return arith_conversation(*triple, self.rng, thinking=self.rng.random() < 0.3)
 
     def weather_call(self) -> dict:
         return weather_call_conversation(next(self.cities), self.rng, self.rng.random() < 0.5)

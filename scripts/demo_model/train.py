@@ -832,11 +832,11 @@ def build_tokenizer(renderer, seed: int, out_dir: str):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(ROOT, "target", "demo-train"))
-    ap.add_argument("--steps", type=int, default=1200, help="training steps (the default fits 45 min on 2 cores)")
+    ap.add_argument("--steps", type=int, default=1150, help="training steps (the default fits 45 min on 2 cores)")
     ap.add_argument("--minutes", type=float, default=0.0,
                     help="instead of --steps: a training time budget; the step count is fixed after 30 steps")
-    ap.add_argument("--plain", type=int, default=80, help="conversations without tools per step")
-    ap.add_argument("--tool", type=int, default=10, help="tool conversations per step (sharing one prompt)")
+    ap.add_argument("--plain", type=int, default=72, help="conversations without tools per step")
+    ap.add_argument("--tool", type=int, default=16, help="tool conversations per step (sharing one prompt)")
     ap.add_argument("--greet-frac", type=float, default=0.1, help="share of greetings among the plain ones")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=1234)
