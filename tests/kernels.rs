@@ -11,7 +11,7 @@
 mod common;
 use common::{bytes, check, floats, randn};
 use kiln_compiler::kernels::{AddParams, EmbedArgs, EmbedParams, GatherRowsParams, Ptr, RouterParams, LinearBf16GemvParams, LinearNvfp4GemvParams, RmsnormParams, TEMPLATES};
-use kiln_compiler::passes::lower::{ELEMENTWISE_MAX_GRID, TASKS_PER_BLOCK, THREADS};
+use kiln_compiler::passes::lower::{ELEMENTWISE_MAX_GRID, MIN_TASKS_PER_BLOCK, TASKS_PER_BLOCK, THREADS};
 use kiln_runtime::cpu::reference;
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
 use kiln_runtime::rng::Rng;
@@ -25,6 +25,11 @@ struct Nvfp4Case {
     out_bf16: bool,
     /// Different input scales per part (else shared, as gate/up of one MLP).
     split_scales: bool,
+}
+
+/// The bit patterns of `v`, for bit-exact comparisons with readable failures.
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// Runs one NVFP4 GEMV for `arch` (120 or 90) on the emulator and the CPU; returns the launch
@@ -53,10 +58,14 @@ fn nvfp4_case(c: &Nvfp4Case, arch: u32, seed: u64) -> (LaunchStats, u64, Vec<f32
     };
     let (stats, got) = run_gemv(&params, &bytes(&x, c.x_bf16), &packed, &scales, &s2, &input_scale);
     check(&format!("nvfp4 gemv sm_{arch}a M={m} parts={:?} K={k} silu={}", c.parts, c.silu), c.out_bf16, &got, &want);
+    // One column per warp (what decode batch 1 compiles to) computes every column as eight do.
+    let narrow = LinearNvfp4GemvParams { tasks_per_block: MIN_TASKS_PER_BLOCK, ..params };
+    let (_, got_narrow) = run_gemv(&narrow, &bytes(&x, c.x_bf16), &packed, &scales, &s2, &input_scale);
+    assert_eq!(bits(&got_narrow), bits(&got), "sm_{arch}a: {MIN_TASKS_PER_BLOCK} columns per block differ from {TASKS_PER_BLOCK}");
     if k == 16 && !c.silu {
         // One block per row: both sides sum the same exact products once, so any difference
         // would be a different activation code or scale. The quantisation must match bit for bit.
-        assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "K = 16 must be bit-exact");
+        assert_eq!(bits(&got), bits(&want), "K = 16 must be bit-exact");
     }
     let compulsory = (m * k * if c.x_bf16 { 2 } else { 4 } + packed.len() + scales.len() + 8 * c.parts.len()) as u64;
     (stats, compulsory, got)
@@ -73,7 +82,7 @@ fn run_gemv(params: &LinearNvfp4GemvParams, x: &[u8], packed: &[u8], scales: &[u
     let bi = g.alloc_f32("input_scale", input_scale);
     let bo = g.alloc("out", (params.m * params.tasks) as usize * if params.out_bf16 == 1 { 2 } else { 4 });
     let args: Vec<KernelArg> = [bx, bw, bs, b2, bi, bo].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
-    let grid = params.tasks.div_ceil(TASKS_PER_BLOCK);
+    let grid = params.tasks.div_ceil(params.tasks_per_block);
     let stats = launch(&module, LinearNvfp4GemvParams::ENTRY, [grid, 1, 1], [THREADS, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
     (stats, floats(&g.read(bo), params.out_bf16 == 1))
 }
@@ -155,7 +164,7 @@ fn nvfp4_gemv_matches_the_cpu_on_ragged_shapes() {
     for (i, c) in cases.iter().enumerate() {
         let (_, _, sm120) = nvfp4_case(c, 120, 100 + i as u64);
         let (_, _, sm90) = nvfp4_case(c, 90, 100 + i as u64);
-        assert_eq!(sm90.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), sm120.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "sm_90a differs from sm_120a");
+        assert_eq!(bits(&sm90), bits(&sm120), "sm_90a differs from sm_120a");
     }
 }
 
@@ -181,15 +190,21 @@ fn bf16_gemv_matches_the_cpu_on_ragged_shapes() {
         let wb = bytes(&w, true);
         let mut want = vec![0f32; m * n];
         reference::linear_bf16(&x, m, &wb, k, n, out_bf16, &mut want);
-        let params = LinearBf16GemvParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, tasks_per_block: TASKS_PER_BLOCK, threads: THREADS, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32 };
-        let module = Module::parse(&params.render().unwrap(), "linear_bf16_gemv.ptx").unwrap();
-        let mut g = GlobalMemory::new();
-        let bx = g.alloc_bytes("x", &bytes(&x, x_bf16));
-        let bw = g.alloc_bytes("w", &wb);
-        let bo = g.alloc("out", m * n * if out_bf16 { 2 } else { 4 });
-        let args: Vec<KernelArg> = [bx, bw, bo].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
-        launch(&module, LinearBf16GemvParams::ENTRY, [(n as u32).div_ceil(TASKS_PER_BLOCK), 1, 1], [THREADS, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
-        check(&format!("bf16 gemv M={m} N={n} K={k}"), out_bf16, &floats(&g.read(bo), out_bf16), &want);
+        let mut outputs = Vec::new();
+        for tasks_per_block in [TASKS_PER_BLOCK, MIN_TASKS_PER_BLOCK] {
+            let params = LinearBf16GemvParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, tasks_per_block, threads: THREADS, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32 };
+            let module = Module::parse(&params.render().unwrap(), "linear_bf16_gemv.ptx").unwrap();
+            let mut g = GlobalMemory::new();
+            let bx = g.alloc_bytes("x", &bytes(&x, x_bf16));
+            let bw = g.alloc_bytes("w", &wb);
+            let bo = g.alloc("out", m * n * if out_bf16 { 2 } else { 4 });
+            let args: Vec<KernelArg> = [bx, bw, bo].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+            launch(&module, LinearBf16GemvParams::ENTRY, [(n as u32).div_ceil(tasks_per_block), 1, 1], [THREADS, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+            let got = floats(&g.read(bo), out_bf16);
+            check(&format!("bf16 gemv M={m} N={n} K={k} {tasks_per_block} columns per block"), out_bf16, &got, &want);
+            outputs.push(bits(&got));
+        }
+        assert_eq!(outputs[0], outputs[1], "bf16 gemv M={m} N={n} K={k}: the column count per block changed the numbers");
     }
 }
 
@@ -253,7 +268,7 @@ fn add_matches_the_cpu_on_ragged_sizes() {
         let got = floats(&g.read(bo), out_bf16);
         check(&format!("add N={n}"), out_bf16, &got, &want);
         // One f32 addition rounded once on both sides: bit-exact.
-        assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "add N={n} must be bit-exact");
+        assert_eq!(bits(&got), bits(&want), "add N={n} must be bit-exact");
     }
 }
 
@@ -279,7 +294,7 @@ fn gather_rows_matches_the_cpu_with_out_of_range_rows() {
         launch(&module, GatherRowsParams::ENTRY, [out_rows as u32, 1, 1], [THREADS, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
         let got = floats(&g.read(bo), out_bf16);
         check(&format!("gather_rows {in_rows}x{h}"), out_bf16, &got, &want);
-        assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "gather_rows must be bit-exact");
+        assert_eq!(bits(&got), bits(&want), "gather_rows must be bit-exact");
     }
 }
 
@@ -313,7 +328,7 @@ fn embed_matches_the_cpu_on_every_rank_of_a_split_vocabulary() {
             launch(&module, EmbedParams::ENTRY, [tokens as u32, 1, 1], [THREADS, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
             let got = floats(&g.read(bo), out_bf16);
             check(&format!("embed rank {rank}/{ranks} rows={vocab_rows} H={h}"), out_bf16, &got, &want);
-            assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "embed is a copy: bit-exact");
+            assert_eq!(bits(&got), bits(&want), "embed is a copy: bit-exact");
             sum.iter_mut().zip(&got).for_each(|(s, g)| *s += g);
         }
         // An id outside the vocabulary is zero on every rank (no rank owns it).
@@ -326,14 +341,16 @@ fn embed_matches_the_cpu_on_every_rank_of_a_split_vocabulary() {
     }
 }
 
+/// The router as the lowering emits it: the gate product on the BF16 GEMV (F32 logits), then the
+/// selection kernel; ids must equal the CPU's exactly and weights to the usual tolerance.
 #[test]
 fn router_matches_the_cpu_with_groups_ties_and_exhausted_groups() {
     use kiln_runtime::plan::RouterParams as Route;
     // (tokens, hidden, experts, n_group, topk_group, top_k, norm, x_bf16, bias_bf16)
     let cases = [
         (3, 72, 16, 4, 2, 4, true, true, false),
-        (1, 257, 256, 8, 4, 8, true, true, false), // GLM-5's routing shape, ragged hidden
-        (5, 33, 40, 1, 1, 6, false, false, true),  // one group, more experts than lanes
+        (1, 264, 256, 8, 4, 8, true, true, false), // GLM-5's routing shape
+        (5, 40, 300, 1, 1, 6, false, false, true), // one group, more experts than threads
         (2, 64, 12, 6, 1, 3, true, true, false),   // top_k > kept experts (2): -1 / 0 picks
         (17, 40, 8, 2, 2, 2, true, true, true),
     ];
@@ -360,28 +377,31 @@ fn router_matches_the_cpu_with_groups_ties_and_exhausted_groups() {
 fn run_router(x: &[f32], tokens: usize, h: usize, gate: &[u8], bias: &[f32], r: &kiln_runtime::plan::RouterParams, x_bf16: bool, bias_bf16: bool) {
     let (mut want_ids, mut want_w) = (vec![0i32; tokens * r.top_k], vec![0f32; tokens * r.top_k]);
     reference::router(x, h, gate, bias, r, &mut want_ids, &mut want_w);
+    let mut g = GlobalMemory::new();
+    let bx = g.alloc_bytes("x", &bytes(x, x_bf16));
+    let bg = g.alloc_bytes("gate", gate);
+    let bl = g.alloc("logits", tokens * r.experts * 4);
+    let product = LinearBf16GemvParams { arch: 120, m: tokens as u32, n: r.experts as u32, k: h as u32, tasks_per_block: MIN_TASKS_PER_BLOCK, threads: THREADS, x_bf16: x_bf16 as u32, out_bf16: 0 };
+    let module = Module::parse(&product.render().unwrap(), "linear_bf16_gemv.ptx").unwrap();
+    let args: Vec<KernelArg> = [bx, bg, bl].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+    launch(&module, LinearBf16GemvParams::ENTRY, [(r.experts as u32).div_ceil(MIN_TASKS_PER_BLOCK), 1, 1], [THREADS, 1, 1], product.dynamic_smem().unwrap(), &args, &mut g).unwrap();
     let params = RouterParams {
         arch: 120,
         tokens: tokens as u32,
-        hidden: h as u32,
         experts: r.experts as u32,
         n_group: r.n_group as u32,
         topk_group: r.topk_group as u32,
         top_k: r.top_k as u32,
         norm: r.norm_topk_prob as u32,
         threads: THREADS,
-        x_bf16: x_bf16 as u32,
         bias_bf16: bias_bf16 as u32,
         w_bf16: 0,
     };
     let module = Module::parse(&params.render().unwrap(), "router.ptx").unwrap();
-    let mut g = GlobalMemory::new();
-    let bx = g.alloc_bytes("x", &bytes(x, x_bf16));
-    let bg = g.alloc_bytes("gate", gate);
     let bb = g.alloc_bytes("bias", &bytes(bias, bias_bf16));
     let bi = g.alloc_bytes("ids", &vec![0x55u8; tokens * r.top_k * 4]);
     let bw = g.alloc_bytes("weights", &vec![0x55u8; tokens * r.top_k * 4]);
-    let mut args: Vec<KernelArg> = [bx, bg, bb, bi, bw].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+    let mut args: Vec<KernelArg> = [bl, bb, bi, bw].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
     args.push(KernelArg::F32(r.scaling));
     launch(&module, RouterParams::ENTRY, [tokens as u32, 1, 1], [THREADS, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
     let ids: Vec<i32> = g.read(bi).chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();

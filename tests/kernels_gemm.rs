@@ -16,6 +16,7 @@
 mod common;
 use common::{bytes, floats, randn};
 use kiln_compiler::kernels::{LinearBf16GemmParams, LinearNvfp4GemmParams};
+use kiln_compiler::passes::lower::bf16_gemm_form;
 use kiln_runtime::cpu::reference;
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
 use kiln_runtime::rng::Rng;
@@ -269,7 +270,7 @@ fn bf16_gemm_matches_the_cpu_on_ragged_shapes() {
 #[test]
 fn split_k_bf16_gemm_matches_the_cpu_for_decode_sized_m() {
     // (M, N, K, x BF16, out BF16, m16 tiles, n8 tiles): K = 16 j + 8 tails, fewer k16 steps than
-    // warps, N not a multiple of the block, M = 1, 3, 17, 32.
+    // warps, N not a multiple of the block, M = 1, 3, 17, 32, 50, 64.
     let cases = [
         (1, 40, 264, true, true, 1, 4),
         (3, 130, 72, true, false, 1, 2),
@@ -277,6 +278,7 @@ fn split_k_bf16_gemm_matches_the_cpu_for_decode_sized_m() {
         (32, 72, 520, true, true, 2, 4),
         (17, 24, 8, false, false, 2, 2),
         (50, 40, 200, false, false, 4, 4),
+        (64, 48, 136, true, true, 4, 2), // decode batch 64, as bf16_gemm_form picks it for q_a
     ];
     for (i, &(m, n, k, x_bf16, out_bf16, mt, nt)) in cases.iter().enumerate() {
         bf16_case(m, n, k, x_bf16, out_bf16, split(mt, nt), 800 + i as u64);
@@ -315,10 +317,11 @@ fn glm5_prefill_shapes_assemble_without_spills() {
     for (arch, m) in [120, 90].into_iter().flat_map(|a| [1u32, 16, 32, 33, 64, 2048, 8192].map(|m| (a, m))) {
         for &(n, k) in &[(2048u32, 6144u32), (6144, 2048), (576, 6144), (19360, 6144), (40, 80), (150, 1040)] {
             for (x_bf16, out_bf16) in [(1, 1), (1, 0), (0, 0)] {
-                // as lowering picks them
-                let f = if m <= 32 {
-                    split(m.div_ceil(16), if n >= 2048 { 4 } else if n >= 1024 { 2 } else { 1 })
-                } else if x_bf16 == 1 && m > 64 {
+                // as lowering picks them (188 SMs)
+                let picked = bf16_gemm_form(m as usize, n as usize, k as usize, x_bf16 == 1, 188);
+                let f = if picked.split == 1 {
+                    split(picked.mt, picked.nt)
+                } else if picked.mt == 4 {
                     tiled(4, 2, 4)
                 } else {
                     tiled(2, 2, 3)

@@ -16,7 +16,7 @@
 mod common;
 
 use kiln_compiler::kernels::{MoeDownParams, MoeGateUpParams};
-use kiln_compiler::passes::lower::{SMEM_LIMIT, THREADS};
+use kiln_compiler::passes::lower::{gate_up_cols, SMEM_LIMIT, THREADS};
 use kiln_runtime::cpu::reference::{self, Nvfp4Stack};
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, Module};
 use kiln_runtime::numerics::{bf16_to_f32, f32_to_bf16, quantize_nvfp4, round_bf16};
@@ -290,6 +290,17 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
     let args2 = vec![a(bmid), a(bids), a(bseq), a(brw), a(bdw), a(bds), a(bd2), a(bdi), a(bacc), a(bout), first_arg];
     let grid1 = [el as u32, (inter as u32).div_ceil(COLS), 1];
     let s1 = launch(&mg, MoeGateUpParams::ENTRY, grid1, [THREADS, 1, 1], pg.dynamic_smem().unwrap(), &args1, &mut g).unwrap();
+    if !c.mma {
+        // Decode's narrower blocks (as `gate_up_cols` picks at batch 1: one column per warp)
+        // compute every column as the 64-wide ones do.
+        let narrow = MoeGateUpParams { cols: 8, ..pg };
+        let mn = Module::parse(&narrow.render().unwrap(), "moe_gate_up.ptx").unwrap();
+        let bmid8 = g.alloc("mid8", c.tokens * sh.top_k * inter * 2);
+        let mut args8 = args1.clone();
+        args8[7] = KernelArg::U64(g.addr(bmid8));
+        launch(&mn, MoeGateUpParams::ENTRY, [el as u32, (inter as u32).div_ceil(8), 1], [THREADS, 1, 1], narrow.dynamic_smem().unwrap(), &args8, &mut g).unwrap();
+        assert!(g.read(bmid8) == g.read(bmid), "gate/up with 8 columns per block differs from {COLS}");
+    }
     let s2 = launch(&md, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(COLS), 1, 1], [THREADS, 1, 1], pd.dynamic_smem().unwrap(), &args2, &mut g).unwrap();
     let got: Vec<f32> = g.read(bout).chunks_exact(2).map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
 
@@ -418,9 +429,10 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
             let mma = tokens > 64;
             let g1 = if mma { 32 } else { group(tokens, hidden * 3 / 2) };
             let g2 = if mma { 32 } else { group(tokens, inter * 3 / 4) };
-            let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols: COLS, lanes: lanes(hidden), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: THREADS, x_bf16: 1 };
+            let cols = gate_up_cols(tokens, top_k, experts, inter, hidden, 2, mma, 188);
+            let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: THREADS, x_bf16: 1 };
             let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: COLS, lanes: lanes(inter), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1 };
-            out.push((format!("sm_{arch}a glm5 {mode} tokens={tokens} G={g1}/{g2} mma={mma}"), gu, dn));
+            out.push((format!("sm_{arch}a glm5 {mode} tokens={tokens} G={g1}/{g2} cols={cols} mma={mma}"), gu, dn));
         }
     }
     // and the tiny model's

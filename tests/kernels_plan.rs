@@ -203,8 +203,12 @@ fn verify_tiny(target: &str, tp: &str, extra: &[&str]) {
     assert!(out.contains("first NaN/Inf: none"), "{out}");
     // Every step of every program ran (a GPU plan has no step without a kernel).
     assert!(out.contains("launched steps checked") && !out.contains("FAIL"), "{out}");
-    // At decode batch 1 the NVFP4 GEMVs and the MoE read each needed weight byte once, and all
-    // their bytes stay within 1.10 of the compulsory ones (weights + inputs once).
+    // At decode batch 1 the NVFP4 GEMVs and the MoE read each needed weight byte once (the
+    // 8 bytes of part scalars every GEMV block loads add under 3 % on the tiny model's rows).
+    // Their total bytes stay within 1.5x the compulsory ones (weights + inputs once): GEMV
+    // blocks narrow to one column per warp to fill the GPU (`gemv_tasks_per_block`) and each
+    // stages the BF16 input row, 2K bytes against 8 x 9K/16 of NVFP4 weights: 1 + 4/9, plus
+    // the scalars.
     let decode = &out[out.find("program decode_1 ").expect("decode_1 verified")..];
     let decode = &decode[..decode.find("\nprogram ").unwrap_or(decode.len())];
     let mut families = (0, 0);
@@ -212,8 +216,8 @@ fn verify_tiny(target: &str, tp: &str, extra: &[&str]) {
         // "... read / compulsory = R; weights W"
         let (total, weights) = l.rsplit_once("= ").unwrap().1.split_once("; weights ").unwrap();
         let (total, weights): (f64, f64) = (total.trim().parse().unwrap(), weights.trim().parse().unwrap());
-        assert!((1.0..=1.10).contains(&total), "decode_1 byte ratio {total}:\n{l}");
-        assert!((0.99..=1.01).contains(&weights), "decode_1 weight bytes read {weights} times:\n{l}");
+        assert!((1.0..=1.5).contains(&total), "decode_1 byte ratio {total}:\n{l}");
+        assert!((0.99..=1.03).contains(&weights), "decode_1 weight bytes read {weights} times:\n{l}");
         if l.contains("moe_nvfp4") { families.1 += 1 } else { families.0 += 1 }
     }
     assert!(families.0 > 0 && families.1 > 0, "NVFP4 GEMV and MoE lines in:\n{decode}");

@@ -478,7 +478,9 @@ fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
         let (batch, step_ms, tps) = (d["batch"].as_f64().unwrap(), d["step_ms"].as_f64().unwrap(), d["tokens_per_s"].as_f64().unwrap());
         assert!(step_ms > 0.0 && (tps - batch / step_ms * 1e3).abs() < 1e-6 * tps, "{d}");
         assert!(d["step_ms_p2p"].as_f64().unwrap() <= step_ms + 1e-9, "{d}");
-        assert_eq!(d["launches"], 1552, "{d}");
+        // 78 layers' launches and the head: 1,552 until the router's gate product became its
+        // own launch in each of the 75 MoE layers
+        assert_eq!(d["launches"], 1552 + 75, "{d}");
         assert_eq!(d["collectives"], 158, "{d}");
         assert!(d["bytes_per_gpu"].as_f64().unwrap() >= d["compulsory_bytes_per_gpu"].as_f64().unwrap());
     }

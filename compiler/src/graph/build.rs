@@ -227,6 +227,7 @@ impl<'a> Builder<'a> {
         let e = c.n_routed_experts;
         let gate = self.param(&format!("{p}.gate.weight"), DType::BF16, &[e, h], WeightKind::Router, ShardRole::Replicated, "MoE router")?;
         let bias = self.param(&format!("{p}.gate.e_score_correction_bias"), DType::F32, &[e], WeightKind::Router, ShardRole::Replicated, "MoE router selection bias")?;
+        let logits = self.tokens(format!("l{l}.router_logits"), DType::F32, e);
         let ids = self.tokens(format!("l{l}.expert_ids"), DType::I32, c.num_experts_per_tok);
         let weights = self.tokens(format!("l{l}.expert_weights"), DType::F32, c.num_experts_per_tok);
         let params = RouterParams {
@@ -237,7 +238,7 @@ impl<'a> Builder<'a> {
             norm_topk_prob: c.norm_topk_prob,
             scaling: c.routed_scaling_factor,
         };
-        self.push(Op::Router { input: x, gate, bias, params, ids, weights }, KernelFamily::Router);
+        self.push(Op::Router { input: x, gate, bias, params, logits, ids, weights }, KernelFamily::Router);
 
         let inter = c.moe_intermediate_size;
         let gate_up: Vec<String> = (0..e).flat_map(|j| [format!("{p}.experts.{j}.gate_proj"), format!("{p}.experts.{j}.up_proj")]).collect();

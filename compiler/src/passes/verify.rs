@@ -131,7 +131,8 @@ fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -
             expect("head weights", shape(*head_weights), &[rows(*q), cfg.index_n_heads])?;
             expect("out", shape(*out), &[rows(*q), *topk])?;
         }
-        Op::Router { input, ids, weights, params, .. } => {
+        Op::Router { input, logits, ids, weights, params, .. } => {
+            expect("logits", shape(*logits), &[rows(*input), params.experts])?;
             expect("ids", shape(*ids), &[rows(*input), params.top_k])?;
             expect("weights", shape(*weights), &[rows(*input), params.top_k])?;
         }

@@ -681,7 +681,7 @@ impl Rank {
                 attention::mla_attention(&self.f[q.0 as usize][..n(q)], sel, &tk, &self.kv, layer, &m, cx.rope, round(out), &mut o[..n(out)]);
                 self.f[out.0 as usize] = o;
             }
-            Op::Router { input, gate, bias, ref params, ids, weights } => {
+            Op::Router { input, gate, bias, ref params, ids, weights, .. } => {
                 let mut ids_v = std::mem::take(&mut self.i[ids.0 as usize]);
                 let mut w_v = take(&mut self.f, weights);
                 let h = width(p, input);

@@ -150,7 +150,7 @@ fn check_op(plan: &Plan, p: &Program, op: &Op) -> Result<(), String> {
             }
             bytes(kv_b, DType::BF16, heads * (nope + dv) * r)
         }
-        Op::Router { input, gate, bias, ref params, ids, weights } => {
+        Op::Router { input, gate, bias, ref params, logits, ids, weights } => {
             let (e, h) = (params.experts, width(p, input));
             let groups = params.n_group.max(1);
             if e == 0 || !e.is_multiple_of(groups) || params.top_k == 0 || params.top_k > e {
@@ -159,6 +159,10 @@ fn check_op(plan: &Plan, p: &Program, op: &Op) -> Result<(), String> {
             float(input, t * h)?;
             bytes(gate, DType::BF16, e * h)?;
             vector(bias, e)?;
+            if buf(logits).dtype != DType::F32 {
+                return Err(format!("router logits `{}` are {}, expected F32", buf(logits).name, buf(logits).dtype));
+            }
+            float(logits, t * e)?;
             int(ids, t * params.top_k)?;
             float(weights, t * params.top_k)
         }

@@ -216,14 +216,12 @@ pub fn launch_cost(plan: &Plan, step: &Step, li: usize, load: &Load) -> Result<C
             }
         }
         "router" => {
-            // one block per token, each loading the whole gate
-            let (t, h, e, top) = (p.v("TOKENS")?, p.v("HIDDEN")?, p.v("EXPERTS")?, p.v("TOP_K")?);
-            c.read(Class::Activations, t * h * p.size("X_BF16")?, 1.0);
-            c.read(Class::Weights, e * h * 2.0, t);
-            // every lane of the expert's warp loads its bias
-            c.read(Class::Weights, e * p.size("BIAS_BF16")?, t * 32.0);
+            // selection only (the gate product is its own GEMV/GEMM launch): one block per
+            // token, each thread loading its experts' logits and biases
+            let (t, e, top) = (p.v("TOKENS")?, p.v("EXPERTS")?, p.v("TOP_K")?);
+            c.read(Class::Activations, t * e * 4.0, 1.0);
+            c.read(Class::Weights, e * p.size("BIAS_BF16")?, t);
             c.write(t * top * (4.0 + p.size("W_BF16")?));
-            c.flops.fp32 += 2.0 * t * e * h;
         }
         "mla_kv_write" | "indexer_key_write" => {
             let t = p.v("TOKENS")?;

@@ -49,7 +49,9 @@ pub enum Op {
         out: BufId,
     },
     /// fp32 sigmoid router with selection bias, group-limited top-k, normalisation and scaling.
-    Router { input: BufId, gate: WeightId, bias: WeightId, params: RouterParams, ids: BufId, weights: BufId },
+    /// `logits` (`[tokens, experts]` F32) is kernel scratch: a GPU plan computes the gate product
+    /// into it in one launch (the gate streamed by many blocks) and selects in the next.
+    Router { input: BufId, gate: WeightId, bias: WeightId, params: RouterParams, logits: BufId, ids: BufId, weights: BufId },
     /// Routed experts of this rank: for each token, `sum_j w_j * down(silu(gate x) * up x)` over
     /// its selected experts that live on this rank.
     MoeExperts {
@@ -162,7 +164,7 @@ impl Op {
             | Op::AllGather { out, .. } => vec![*out],
             Op::RmsNorm { residual, out, .. } => std::iter::once(*out).chain(*residual).collect(),
             Op::MoeExperts { out, mid, acc, .. } => vec![*out, *mid, *acc],
-            Op::Router { ids, weights, .. } => vec![*ids, *weights],
+            Op::Router { logits, ids, weights, .. } => vec![*logits, *ids, *weights],
             Op::AllReduce { buf } => vec![*buf],
             Op::MlaKvWrite { .. } | Op::IndexerKeyWrite { .. } => vec![],
         }
@@ -178,6 +180,7 @@ impl Op {
     pub fn scratch(&self) -> Vec<BufId> {
         match self {
             Op::MoeExperts { mid, acc, .. } => vec![*mid, *acc],
+            Op::Router { logits, .. } => vec![*logits],
             _ => vec![],
         }
     }

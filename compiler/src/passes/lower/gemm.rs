@@ -3,9 +3,9 @@
 //!
 //! Tiled forms: 64-row blocks (`grid.y`; 128 for BF16 prefill with BF16 activations) by
 //! 128-column blocks (`grid.x`: consecutive blocks share an activation tile in L2), K streamed
-//! through a ring of cp.async stages. Decode-sized M (<= 32) uses the split-K forms: small blocks
-//! whose 8 warps share out K and add their partial sums in warp order, so even a 256-row
-//! projection gets dozens of blocks. NVFP4 gets one launch per part (each part quantises the
+//! through a ring of cp.async stages. Decode-sized M uses the split-K forms: small blocks whose 8
+//! warps share out K and add their partial sums in warp order, so even a 256-row projection gets
+//! dozens of blocks (NVFP4 up to M = 32; BF16 up to 64 where the byte model prefers them). NVFP4 gets one launch per part (each part quantises the
 //! activations with its own `input_scale`), or one launch for SiLU-mul, whose blocks take gate
 //! rows and the matching up rows.
 
@@ -17,8 +17,10 @@ use kiln_runtime::plan::{LinearWeights, Op};
 pub const GEMM_BM: usize = 64;
 /// Weight rows (output columns; half of them gate and half up with SiLU-mul) per block.
 pub const GEMM_BN: usize = 128;
-/// Largest M of the split-K forms (every block reads, and NVFP4 quantises, all M activation rows).
+/// Largest M of the NVFP4 split-K form (every block reads and quantises all M activation rows).
 const SPLIT_MAX_M: usize = 32;
+/// Largest M of the BF16 split-K form (4 m16 tiles per warp).
+const BF16_SPLIT_MAX_M: usize = 64;
 /// Blocks the split-K forms aim for (their blocks narrow to get there).
 const SPLIT_MIN_BLOCKS: usize = 64;
 
@@ -48,6 +50,42 @@ fn nvfp4_stages(arch: u32, k: usize, silu: bool) -> (u32, u32) {
     (1, nbuf as u32)
 }
 
+/// The shape of a BF16 GEMM's blocks: split-K (`split` 1: 16*MT rows x 8*NT weight rows) or
+/// tiled (32*MT rows x 128).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bf16Form {
+    pub split: u32,
+    pub mt: u32,
+    pub nt: u32,
+}
+
+/// The BF16 GEMM's form for M x N x K. Prefill (M > 64) is tiled: 128-row blocks with BF16
+/// activations past 64 rows, else 64. Up to 64 rows the split-K widths (32, 16, 8 weight rows
+/// per block) and the tiled form are costed as `kiln inspect --perf` costs them: the weights
+/// read once per row block, the activations once per column block, over the fraction of the
+/// SMs the blocks occupy; the cheapest wins (ties: the earlier). At decode batch 64 a 2,048-row
+/// projection becomes 128 split blocks instead of 16 tiled ones.
+pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, sms: u32) -> Bf16Form {
+    let tiled = Bf16Form { split: 0, mt: if x_bf16 && m > GEMM_BM { 4 } else { 2 }, nt: 1 };
+    if m > BF16_SPLIT_MAX_M {
+        return tiled;
+    }
+    let x_bytes = if x_bf16 { 2 } else { 4 };
+    let cost = |f: &Bf16Form| {
+        let (bm, bn) = if f.split == 1 { (16 * f.mt as usize, 8 * f.nt as usize) } else { (32 * f.mt as usize, GEMM_BN) };
+        let (gx, gy) = (n.div_ceil(bn) as f64, m.div_ceil(bm) as f64);
+        let bytes = (n * k * 2) as f64 * gy + (m * k * x_bytes) as f64 * gx;
+        bytes / (gx * gy / sms.max(1) as f64).min(1.0)
+    };
+    let mt = m.div_ceil(16) as u32;
+    let candidates = [4, 2, 1].map(|nt| Bf16Form { split: 1, mt, nt });
+    candidates.into_iter().chain([tiled]).fold(None, |best: Option<Bf16Form>, f| match best {
+        Some(b) if cost(&b) <= cost(&f) => Some(b),
+        _ => Some(f),
+    })
+    .unwrap_or(tiled)
+}
+
 pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let Op::Linear { input, ref weights, ref parts, k, epilogue, out } = *op else {
         return Err("not a linear".into());
@@ -75,12 +113,11 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             // weights streaming. Else 128-row blocks halve the weight traffic of long prefills;
             // F32 activations (three BF16 planes) and short ones keep 64 rows.
             let base = LinearBf16GemmParams { arch: cx.arch, m: u(m), n: u(n), k: u(k), split: 0, mt: 2, nt: 1, kb: BF16_KB, nbuf: 2, threads: THREADS, x_bf16, out_bf16 };
-            let (params, bm, bn) = if m <= SPLIT_MAX_M {
-                let nt = [4, 2].into_iter().find(|&t| n.div_ceil(8 * t) >= SPLIT_MIN_BLOCKS).unwrap_or(1);
-                let mt = m.div_ceil(16);
-                (LinearBf16GemmParams { split: 1, mt: u(mt), nt: u(nt), ..base }, 16 * mt, 8 * nt)
+            let form = bf16_gemm_form(m, n, k, x_bf16 == 1, cx.sms);
+            let (params, bm, bn) = if form.split == 1 {
+                (LinearBf16GemmParams { split: 1, mt: form.mt, nt: form.nt, ..base }, 16 * form.mt as usize, 8 * form.nt as usize)
             } else {
-                let mt = if x_bf16 == 1 && m > GEMM_BM { 4 } else { 2 };
+                let mt = form.mt;
                 let stage = LinearBf16GemmParams { mt, nbuf: 1, ..base }.dynamic_smem()? as usize;
                 (LinearBf16GemmParams { mt, nbuf: ring(stage, cx.smem_limit), ..base }, 32 * mt as usize, GEMM_BN)
             };
@@ -151,7 +188,21 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{nvfp4_stages, ring};
+    use super::{bf16_gemm_form, nvfp4_stages, ring, Bf16Form};
+
+    #[test]
+    fn bf16_decode_gemms_pick_the_form_the_byte_model_prefers() {
+        // GLM-5 tp8 q_a (2,048 x 6144) at decode batch 64 on 188 SMs: 16 tiled blocks draw
+        // 16/188 of the bandwidth for 37.8 MB, 444 MB-equivalents; split-K 16 rows wide makes 128
+        // blocks for 125.8 MB at 0.68, 185; 8 or 32 wide cost 226 and 222.
+        assert_eq!(bf16_gemm_form(64, 2048, 6144, true, 188), Bf16Form { split: 1, mt: 4, nt: 2 });
+        // Prefill is always tiled, 128 rows per block with BF16 activations.
+        assert_eq!(bf16_gemm_form(2048, 2048, 6144, true, 188), Bf16Form { split: 0, mt: 4, nt: 1 });
+        assert_eq!(bf16_gemm_form(2048, 2048, 6144, false, 188), Bf16Form { split: 0, mt: 2, nt: 1 });
+        // The lm_head slice (19,360 rows) at 32 tokens: the widest split blocks re-read the
+        // activations 605 times; 128-wide tiles read them 152 times and still fill the GPU.
+        assert_eq!(bf16_gemm_form(32, 19_360, 6144, true, 188), Bf16Form { split: 0, mt: 2, nt: 1 });
+    }
 
     #[test]
     fn bf16_rings_fit_the_shared_memory() {

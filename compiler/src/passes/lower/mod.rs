@@ -5,7 +5,8 @@
 //! template) is a compile error listing each such family with its reason: a GPU plan never falls
 //! back silently.
 //!
-//! One file per kernel family beside this one (`cache`, `indexer`, `attention`, `moe`, `gemm`);
+//! One file per kernel family beside this one (`cache`, `indexer`, `attention`, `moe`, `gemm`,
+//! `router`);
 //! each turns its ops into instances with [`of`] / [`of_grid`].
 
 mod attention;
@@ -13,8 +14,12 @@ mod cache;
 mod gemm;
 mod indexer;
 mod moe;
+mod router;
 
-use crate::kernels::{AddArgs, AddParams, EmbedArgs, EmbedParams, RouterArgs, RouterParams, GatherRowsArgs, GatherRowsParams, LinearBf16GemvArgs, LinearBf16GemvParams, LinearNvfp4GemvArgs, LinearNvfp4GemvParams, KernelParams, Ptr, RmsnormArgs, RmsnormParams};
+pub use gemm::{bf16_gemm_form, Bf16Form};
+pub use moe::gate_up_cols;
+
+use crate::kernels::{AddArgs, AddParams, EmbedArgs, EmbedParams, GatherRowsArgs, GatherRowsParams, LinearBf16GemvArgs, LinearBf16GemvParams, LinearNvfp4GemvArgs, LinearNvfp4GemvParams, KernelParams, Ptr, RmsnormArgs, RmsnormParams};
 use crate::CompileError;
 use kiln_runtime::plan::{
     Arch, BufId, DType, Epilogue, KernelFamily, KernelId, KernelInfo, Launch, LaunchArg, LinearPart, LinearWeights, Op, Plan,
@@ -24,9 +29,10 @@ use std::collections::BTreeMap;
 
 /// Threads per block of every kiln kernel so far (8 warps).
 pub const THREADS: u32 = 256;
-/// Output columns per block of the GEMVs: enough rows per block that re-reading the activations
-/// in every block costs little next to the weights (each weight byte is read once).
+/// Most output columns per block of the GEMVs (8 per warp); see [`gemv_tasks_per_block`].
 pub const TASKS_PER_BLOCK: u32 = 64;
+/// Fewest output columns per block of the GEMVs: one per warp.
+pub const MIN_TASKS_PER_BLOCK: u32 = THREADS / 32;
 /// Largest M the GEMV templates take (their accumulators are registers).
 pub const GEMV_MAX_M: usize = 32;
 /// Most blocks of an elementwise kernel (`add`): larger tensors are strided over by the grid.
@@ -78,6 +84,32 @@ pub(crate) struct Cx<'a> {
     /// 120 or 90.
     pub arch: u32,
     pub smem_limit: u32,
+    /// The target's SMs: launches with fewer blocks leave bandwidth unused.
+    pub sms: u32,
+}
+
+/// Output columns per block of a GEMV with `tasks` columns of `task_bytes` weight bytes each,
+/// when every block also stages `block_bytes` of activations (all M rows). Each block count
+/// costs its bytes (weights once, activations once per block) over the bandwidth its blocks can
+/// draw (a launch with fewer blocks than SMs gets that fraction, as `kiln inspect --perf`
+/// models it): at decode batch 1 one column per warp fills the GPU (a 2,048-row projection
+/// becomes 256 blocks, not 32); with 32 staged rows wider blocks re-read x less. Ties keep the
+/// wider block.
+pub fn gemv_tasks_per_block(tasks: usize, task_bytes: usize, block_bytes: usize, sms: u32) -> u32 {
+    let cost = |per_block: u32| {
+        let blocks = tasks.div_ceil(per_block as usize) as f64;
+        let occupancy = (blocks / sms.max(1) as f64).min(1.0);
+        (tasks as f64 * task_bytes as f64 + blocks * block_bytes as f64) / occupancy
+    };
+    let mut best = TASKS_PER_BLOCK;
+    let mut per_block = TASKS_PER_BLOCK;
+    while per_block > MIN_TASKS_PER_BLOCK {
+        per_block /= 2;
+        if cost(per_block) < cost(best) {
+            best = per_block;
+        }
+    }
+    best
 }
 
 /// Attaches launches to the steps of every program and fills `plan.kernels`; fails if any step
@@ -99,7 +131,7 @@ pub fn lower(plan: &mut Plan) -> Result<(), CompileError> {
             if family == KernelFamily::Collective {
                 continue;
             }
-            let cx = Cx { plan, program, arch, smem_limit };
+            let cx = Cx { plan, program, arch, smem_limit, sms: plan.target.sm_count };
             match instances(&cx, &program.steps[s].op) {
                 Err(reason) => *missing.entry((family, reason)).or_default() += 1,
                 Ok(list) => {
@@ -147,6 +179,12 @@ pub fn lower(plan: &mut Plan) -> Result<(), CompileError> {
     verify_launches(plan, smem_limit)
 }
 
+/// Whether a step of family `step` may launch a kernel of family `kernel`: its own, or for the
+/// router the BF16 linear that computes its gate product.
+fn may_launch(step: KernelFamily, kernel: KernelFamily) -> bool {
+    kernel == step || (step == KernelFamily::Router && kernel == KernelFamily::LinearBf16)
+}
+
 /// The verifier after lowering: every launch names a kernel of the plan, passes as many
 /// arguments as its entry takes and only buffers / weights that exist, and fits the limits.
 fn verify_launches(plan: &Plan, smem_limit: u32) -> Result<(), CompileError> {
@@ -156,7 +194,7 @@ fn verify_launches(plan: &Plan, smem_limit: u32) -> Result<(), CompileError> {
           for l in &step.launches {
             let at = format!("{} step {s} ({})", p.name, step.op.name());
             let k = plan.kernels.get(l.kernel.0 as usize).ok_or_else(|| bug(format!("{at}: kernel {} does not exist", l.kernel.0)))?;
-            if k.family != step.kernel {
+            if !may_launch(step.kernel, k.family) {
                 return Err(bug(format!("{at}: launches {} ({:?}) for a {:?} step", k.name, k.family, step.kernel)));
             }
             let entry = format!(".entry {}(", k.entry);
@@ -237,15 +275,17 @@ fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         Op::IndexerTopK { .. } => indexer::instances(cx, op),
         Op::MlaAttention { .. } => attention::instances(cx, op),
         Op::MoeExperts { .. } => moe::instances(cx, op),
-        Op::Linear { .. } => match instance(cx.plan, cx.program, op, cx.arch, cx.smem_limit) {
+        Op::Router { .. } => router::instances(cx, op),
+        Op::Linear { .. } => match instance(cx, op) {
             Ok(i) => Ok(vec![i]),
             Err(gemv) => gemm::instances(cx, op).map_err(|gemm| format!("GEMV: {gemv}; GEMM: {gemm}")),
         },
-        _ => instance(cx.plan, cx.program, op, cx.arch, cx.smem_limit).map(|i| vec![i]),
+        _ => instance(cx, op).map(|i| vec![i]),
     }
 }
 
-fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Result<Instance, String> {
+fn instance(cx: &Cx, op: &Op) -> Result<Instance, String> {
+    let (plan, p, arch, smem_limit, sms) = (cx.plan, cx.program, cx.arch, cx.smem_limit, cx.sms);
     match *op {
         Op::RmsNorm { input, residual, weight, eps, out } => {
             let h = width(p, out);
@@ -288,24 +328,30 @@ fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Re
             match *weights {
                 LinearWeights::Bf16 { weight } => {
                     bf16_linear_shape(k, epilogue, "GEMV")?;
-                    fits(m * k * if x_bf16 == 1 { 2 } else { 4 }, smem_limit, &format!("a BF16 GEMV with M = {m}, K = {k}"))?;
+                    let staged = m * k * if x_bf16 == 1 { 2 } else { 4 };
+                    fits(staged, smem_limit, &format!("a BF16 GEMV with M = {m}, K = {k}"))?;
+                    let tasks_per_block = gemv_tasks_per_block(n, 2 * k, staged, sms);
                     let params = LinearBf16GemvParams {
                         arch,
                         m: m as u32,
                         n: n as u32,
                         k: k as u32,
-                        tasks_per_block: TASKS_PER_BLOCK,
+                        tasks_per_block,
                         threads: THREADS,
                         x_bf16,
                         out_bf16,
                     };
                     let args = LinearBf16GemvArgs { x: Ptr::Buffer(input), w: Ptr::Weight(weight), out: Ptr::Buffer(out) };
-                    Ok(of(&params, (n as u32).div_ceil(TASKS_PER_BLOCK), args.launch_args()))
+                    Ok(of(&params, (n as u32).div_ceil(tasks_per_block), args.launch_args()))
                 }
                 LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => {
                     let silu = nvfp4_linear_shape(k, parts, epilogue, "GEMV")?;
                     fits(parts.len() * m * k * 2 + 16, smem_limit, &format!("an NVFP4 GEMV with M = {m}, K = {k}"))?;
                     let tasks = if silu { parts[0].rows } else { n };
+                    // a task is one output column: one weight row, or a gate and an up row
+                    let task_bytes = (if silu { 2 } else { 1 }) * k * 9 / 16;
+                    let staged = m * k * if x_bf16 == 1 { 2 } else { 4 };
+                    let tasks_per_block = gemv_tasks_per_block(tasks, task_bytes, staged, sms);
                     let params = LinearNvfp4GemvParams {
                         arch,
                         m: m as u32,
@@ -315,7 +361,7 @@ fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Re
                         parts: parts.len() as u32,
                         silu: silu as u32,
                         tasks: tasks as u32,
-                        tasks_per_block: TASKS_PER_BLOCK,
+                        tasks_per_block,
                         threads: THREADS,
                         x_bf16,
                         out_bf16,
@@ -328,7 +374,7 @@ fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Re
                         input_scale: Ptr::Weight(input_scale),
                         out: Ptr::Buffer(out),
                     };
-                    Ok(of(&params, (tasks as u32).div_ceil(TASKS_PER_BLOCK), args.launch_args()))
+                    Ok(of(&params, (tasks as u32).div_ceil(tasks_per_block), args.launch_args()))
                 }
             }
         }
@@ -351,36 +397,6 @@ fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Re
             // The rank's first vocabulary row is rank * vocab_rows: a per-rank argument, so the
             // program stays identical on every rank.
             let args = EmbedArgs { ids: Ptr::Buffer(ids), table: Ptr::Weight(table), out: Ptr::Buffer(out), first_row: vocab_rows };
-            Ok(of(&params, tokens as u32, args.launch_args()))
-        }
-        Op::Router { input, gate, bias, ref params, ids, weights } => {
-            let h = width(p, input);
-            let tokens = numel(p, input) / h.max(1);
-            let groups = params.n_group.max(1);
-            let (e, k) = (params.experts, params.top_k);
-            if tokens == 0 || e == 0 || groups > 32 || e % groups != 0 || k == 0 || k > e || params.topk_group > groups {
-                return Err(format!("a router of {e} experts in {groups} groups (top-{k}, {} groups kept) is outside the template", params.topk_group));
-            }
-            if p.buffer(ids).dtype != DType::I32 || plan.weight(gate).dtype != DType::BF16 {
-                return Err("the router template needs I32 ids and a BF16 gate".into());
-            }
-            fits(h * 4 + e * 8 + groups * 4 + k * 4, smem_limit, &format!("a router over {h} values"))?;
-            let scaling = params.scaling;
-            let params = RouterParams {
-                arch,
-                tokens: tokens as u32,
-                hidden: h as u32,
-                experts: e as u32,
-                n_group: groups as u32,
-                topk_group: params.topk_group as u32,
-                top_k: k as u32,
-                norm: params.norm_topk_prob as u32,
-                threads: THREADS,
-                x_bf16: float_flag(p.buffer(input).dtype, "the input")?,
-                bias_bf16: float_flag(plan.weight(bias).dtype, "the bias")?,
-                w_bf16: float_flag(p.buffer(weights).dtype, "the weights")?,
-            };
-            let args = RouterArgs { x: Ptr::Buffer(input), gate: Ptr::Weight(gate), bias: Ptr::Weight(bias), ids: Ptr::Buffer(ids), weights: Ptr::Buffer(weights), scaling };
             Ok(of(&params, tokens as u32, args.launch_args()))
         }
         Op::Add { a, b, out } => {
@@ -423,5 +439,24 @@ fn instance(plan: &Plan, p: &Program, op: &Op, arch: u32, smem_limit: u32) -> Re
             Ok(of(&params, out_rows as u32, args.launch_args()))
         }
         _ => Err("no template yet".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gemv_tasks_per_block;
+
+    #[test]
+    fn gemv_blocks_fill_the_gpu_at_batch_one_and_widen_with_staged_rows() {
+        // GLM-5 tp8 q_a (2,048 BF16 rows of K = 6144), 188 SMs. Batch 1: 32 blocks of 64 would
+        // draw 32/188 of the bandwidth; 256 blocks of 8 draw all of it for 12 KiB more x each.
+        assert_eq!(gemv_tasks_per_block(2048, 2 * 6144, 2 * 6144, 188), 8);
+        // Batch 32 stages 384 KiB of x per block: 128 blocks of 16 cost (25.2 + 50.3 MB) / 0.68,
+        // less than 256 of 8 ((25.2 + 100.7 MB) / 1) or 64 of 32 ((25.2 + 25.2 MB) / 0.34).
+        assert_eq!(gemv_tasks_per_block(2048, 2 * 6144, 32 * 2 * 6144, 188), 16);
+        // Few columns: one per warp, however few blocks that makes.
+        assert_eq!(gemv_tasks_per_block(32, 2 * 6144, 2 * 6144, 188), 8);
+        // A GPU the widest blocks already fill keeps them.
+        assert_eq!(gemv_tasks_per_block(64 * 188, 2 * 6144, 2 * 6144, 188), 64);
     }
 }

@@ -15,7 +15,7 @@ use crate::kernels::{MoeDownArgs, MoeDownParams, MoeGateUpArgs, MoeGateUpParams,
 use kiln_runtime::plan::{DType, LaunchArg, LinearWeights, Op};
 
 /// Columns per block of both launches (8 warps, 8 columns each: the tensor-core path gives every
-/// warp one n8 tile).
+/// warp one n8 tile); see [`gate_up_cols`] for decode's gate/up.
 pub const MOE_COLS: u32 = 64;
 const _: () = assert!(MOE_COLS == THREADS / 32 * 8);
 /// Most tokens quantised and accumulated together (accumulators are registers).
@@ -66,6 +66,27 @@ pub fn group_size(tokens: usize, bytes_per_token: usize, smem_limit: u32) -> Res
     Ok(g)
 }
 
+/// Intermediate columns per block of the gate/up launch. The tensor-core path takes 64 (an n8
+/// tile per warp). The CUDA-core (decode) path picks from 64, 32, 16 and 8 what the byte model
+/// predicts fastest, with routing assumed spread over `tokens * top_k` experts: each working
+/// block reads its columns' gate and up rows once and its expert's activation rows, over the
+/// fraction of the SMs the working blocks occupy. At GLM-5 tp8 batch 1 (8 experts x 256
+/// columns) 64-wide blocks are 32 working blocks; 8-wide, 256.
+#[allow(clippy::too_many_arguments)]
+pub fn gate_up_cols(tokens: usize, top_k: usize, experts: usize, inter: usize, k: usize, x_bytes: usize, mma: bool, sms: u32) -> u32 {
+    if mma {
+        return MOE_COLS;
+    }
+    let active = experts.min(tokens * top_k).max(1);
+    let rows_per_expert = (tokens * top_k).div_ceil(active);
+    let cost = |cols: u32| {
+        let blocks = (active * inter.div_ceil(cols as usize)) as f64;
+        let per_block = (rows_per_expert * k * x_bytes) as f64 + cols as f64 * 2.0 * k as f64 * 9.0 / 16.0;
+        blocks * per_block / (blocks / sms.max(1) as f64).min(1.0)
+    };
+    [MOE_COLS, 32, 16, 8].into_iter().fold(MOE_COLS, |best, c| if cost(c) < cost(best) { c } else { best })
+}
+
 pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let Op::MoeExperts { input, ids, weights, ref gate_up, ref down, experts_local, expert_parallel, intermediate, hidden, out, mid, acc } = *op
     else {
@@ -110,6 +131,8 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let mma = tokens > MOE_DECODE_TOKENS && h % 64 == 0;
     let kc = mma_chunk(cx.arch, h);
     let g1 = if mma { MMA_GROUP } else { group_size(tokens, h * 3 / 2, cx.smem_limit)? };
+    let x_bf16 = float_flag(p.buffer(input).dtype, "the input")?;
+    let gu_cols = gate_up_cols(tokens, top_k, e, inter, h, if x_bf16 == 1 { 2 } else { 4 }, mma, cx.sms);
     let gu = MoeGateUpParams {
         arch: cx.arch,
         tokens: u(tokens)?,
@@ -118,12 +141,12 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         inter: u(inter)?,
         k: u(h)?,
         g: g1 as u32,
-        cols: MOE_COLS,
+        cols: gu_cols,
         lanes: lanes(h),
         mma: mma as u32,
         kc: kc as u32,
         threads: THREADS,
-        x_bf16: float_flag(p.buffer(input).dtype, "the input")?,
+        x_bf16,
     };
     let gu_args = MoeGateUpArgs {
         x: Ptr::Buffer(input),
@@ -173,7 +196,24 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         super::fits(smem as usize + STATIC_SMEM, cx.smem_limit, "a MoE kernel")?;
     }
     Ok(vec![
-        of_grid(&gu, [u(e)?, u(inter)?.div_ceil(MOE_COLS), 1], THREADS, gu_args.launch_args()),
+        of_grid(&gu, [u(e)?, u(inter)?.div_ceil(gu_cols), 1], THREADS, gu_args.launch_args()),
         of_grid(&dn, [u(h)?.div_ceil(MOE_COLS), 1, 1], THREADS, dn_args.launch_args()),
     ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gate_up_cols;
+
+    #[test]
+    fn decode_gate_up_narrows_its_blocks_until_the_gpu_is_full() {
+        // GLM-5 tp8, 188 SMs. Batch 1: 8 experts x 256 columns; 64-wide blocks are 32 working
+        // blocks (14.5 MB at 32/188), 8-wide 256 (17.3 MB at full bandwidth).
+        assert_eq!(gate_up_cols(1, 8, 256, 256, 6144, 2, false, 188), 8);
+        // Batch 64: 256 experts with about 2 tokens each already fill the GPU at 64 columns;
+        // narrower blocks would only re-read the activations.
+        assert_eq!(gate_up_cols(64, 8, 256, 256, 6144, 2, false, 188), 64);
+        // The tensor-core path needs an n8 tile per warp.
+        assert_eq!(gate_up_cols(8192, 8, 256, 256, 6144, 2, true, 188), 64);
+    }
 }
