@@ -52,8 +52,9 @@ fn mma_chunk(arch: u32, k: usize) -> usize {
     (1..=most).rev().map(|c| c * 64).find(|&c| k % c == 0).unwrap_or(64)
 }
 
-/// The token group the lowering picks (compiler/src/passes/lower/moe.rs: group_size; decode
-/// programs of <= 64 tokens keep to half the shared memory).
+/// The largest token group the lowering allows (compiler/src/passes/lower/moe.rs: group_size;
+/// decode programs of <= 64 tokens keep to half the shared memory; `decode_group` may pick a
+/// smaller one, which only shortens the kernels' register loops).
 fn group(tokens: usize, bytes_per_token: usize) -> usize {
     let list = (tokens * 2).div_ceil(16) * 16;
     let budget = if tokens <= 64 { SMEM_LIMIT as usize / 2 } else { SMEM_LIMIT as usize };
@@ -302,6 +303,17 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
         assert!(g.read(bmid8) == g.read(bmid), "gate/up with 8 columns per block differs from {COLS}");
     }
     let s2 = launch(&md, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(COLS), 1, 1], [THREADS, 1, 1], pd.dynamic_smem().unwrap(), &args2, &mut g).unwrap();
+    if !mma_dn {
+        // Decode's 32-column down blocks (`down_cols`) write the 64-column result bit for bit.
+        let narrow = MoeDownParams { cols: 32, ..pd };
+        let mn = Module::parse(&narrow.render().unwrap(), "moe_down.ptx").unwrap();
+        let (bacc32, bout32) = (g.alloc("acc32", c.tokens * sh.hidden * 4), g.alloc("out32", c.tokens * sh.hidden * 2));
+        let mut args32 = args2.clone();
+        args32[8] = KernelArg::U64(g.addr(bacc32));
+        args32[9] = KernelArg::U64(g.addr(bout32));
+        launch(&mn, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(32), 1, 1], [THREADS, 1, 1], narrow.dynamic_smem().unwrap(), &args32, &mut g).unwrap();
+        assert!(g.read(bout32) == g.read(bout), "down with 32 columns per block differs from {COLS}");
+    }
     let got: Vec<f32> = g.read(bout).chunks_exact(2).map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
 
     let what = format!("moe sm_{arch}a {:?} {:?} tokens={} padding={:?} G={g1}/{g2} mma={}", sh, c.split, c.tokens, c.padding, c.mma);
@@ -431,7 +443,7 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
             let g2 = if mma { 32 } else { group(tokens, inter * 3 / 4) };
             let cols = gate_up_cols(tokens, top_k, experts, inter, hidden, 2, mma, 188);
             let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: THREADS, x_bf16: 1 };
-            let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: COLS, lanes: lanes(inter), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1 };
+            let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: if mma { COLS } else { 32 } /* down_cols at GLM-5 decode sizes */, lanes: lanes(inter), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1 };
             out.push((format!("sm_{arch}a glm5 {mode} tokens={tokens} G={g1}/{g2} cols={cols} mma={mma}"), gu, dn));
         }
     }

@@ -17,7 +17,7 @@ mod moe;
 mod router;
 
 pub use gemm::{bf16_gemm_form, Bf16Form};
-pub use moe::gate_up_cols;
+pub use moe::{down_cols, gate_up_cols};
 
 use crate::kernels::{AddArgs, AddParams, EmbedArgs, EmbedParams, GatherRowsArgs, GatherRowsParams, LinearBf16GemvArgs, LinearBf16GemvParams, LinearNvfp4GemvArgs, LinearNvfp4GemvParams, KernelParams, Ptr, RmsnormArgs, RmsnormParams};
 use crate::CompileError;

@@ -12,6 +12,7 @@
 
 use super::{float_flag, numel, of_grid, width, Cx, Instance, THREADS};
 use crate::kernels::{MoeDownArgs, MoeDownParams, MoeGateUpArgs, MoeGateUpParams, Ptr};
+use kiln_runtime::perf::{Constants, Experts};
 use kiln_runtime::plan::{DType, LaunchArg, LinearWeights, Op};
 
 /// Columns per block of both launches (8 warps, 8 columns each: the tensor-core path gives every
@@ -87,6 +88,40 @@ pub fn gate_up_cols(tokens: usize, top_k: usize, experts: usize, inter: usize, k
     [MOE_COLS, 32, 16, 8].into_iter().fold(MOE_COLS, |best, c| if cost(c) < cost(best) { c } else { best })
 }
 
+/// Hidden columns per block of the down launch. The tensor-core path takes 64. The CUDA-core
+/// (decode) path picks from 64 and 32 what the byte model predicts fastest: every block reads
+/// the whole `mid` (`pairs` rows of `inter` BF16 values) and its columns of the routed experts'
+/// `weight_bytes`, over the fraction of the SMs its blocks occupy. At GLM-5 tp8 batch 64,
+/// 64-wide blocks are 96 (half the GPU); 32-wide, 192 for 25 MB more of `mid` re-reads.
+pub fn down_cols(hidden: usize, pairs: f64, inter: usize, weight_bytes: f64, mma: bool, sms: u32) -> u32 {
+    if mma {
+        return MOE_COLS;
+    }
+    let cost = |cols: u32| {
+        let blocks = hidden.div_ceil(cols as usize) as f64;
+        (blocks * pairs * inter as f64 * 2.0 + weight_bytes) / (blocks / sms.max(1) as f64).min(1.0)
+    };
+    [MOE_COLS, 32].into_iter().fold(MOE_COLS, |best, c| if cost(c) < cost(best) { c } else { best })
+}
+
+/// Tokens per group of a decode (CUDA-core) launch, at most `most` (what fits the shared
+/// memory). Both kernels compute every row of a group (register accumulators) and read an
+/// expert's weights once per group: large groups waste FLOPs on experts with few tokens (at
+/// batch 64 an expert gets ~2 tokens), small ones re-read the weights of busy experts. Each
+/// candidate (powers of two up to `most`, and `most`) is costed as `kiln inspect --perf` costs
+/// it under uniform routing: max(groups x `weight_bytes` / bandwidth, groups x G x
+/// `row_flops` / FP32 rate); ties keep the larger group.
+pub fn decode_group(most: usize, routing: &Experts, weight_bytes: f64, row_flops: f64, c: &Constants) -> usize {
+    let cost = |g: usize| {
+        let groups = routing.sum(|n| (n / g as f64).ceil());
+        let bytes_us = groups * weight_bytes / (c.dram_tbps * c.dram_efficiency * 1e6);
+        let flops_us = groups * g as f64 * row_flops / (c.fp32_tflops * 1e6);
+        bytes_us.max(flops_us)
+    };
+    let candidates = (0..6).map(|i| 1usize << i).filter(|&g| g < most).chain([most.max(1)]);
+    candidates.fold(most.max(1), |best, g| if cost(g) < cost(best) { g } else { best })
+}
+
 pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let Op::MoeExperts { input, ids, weights, ref gate_up, ref down, experts_local, expert_parallel, intermediate, hidden, out, mid, acc } = *op
     else {
@@ -130,7 +165,16 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     // memory. Decode: G rows of K values per part as codes (K/2 B) and f32 scales (K/4 B).
     let mma = tokens > MOE_DECODE_TOKENS && h % 64 == 0;
     let kc = mma_chunk(cx.arch, h);
-    let g1 = if mma { MMA_GROUP } else { group_size(tokens, h * 3 / 2, cx.smem_limit)? };
+    // Decode groups are costed with the performance model's constants for the target.
+    let (consts, _) = Constants::for_target(&cx.plan.target)?;
+    let total_experts = if expert_parallel { e * cx.plan.ranks() } else { e };
+    let routing = Experts::uniform(tokens, top_k, total_experts, e);
+    let g1 = if mma {
+        MMA_GROUP
+    } else {
+        let most = group_size(tokens, h * 3 / 2, cx.smem_limit)?;
+        decode_group(most, &routing, 2.0 * inter as f64 * h as f64 * 9.0 / 16.0, 2.0 * inter as f64 * 2.0 * h as f64, &consts)
+    };
     let x_bf16 = float_flag(p.buffer(input).dtype, "the input")?;
     let gu_cols = gate_up_cols(tokens, top_k, e, inter, h, if x_bf16 == 1 { 2 } else { 4 }, mma, cx.sms);
     let gu = MoeGateUpParams {
@@ -162,7 +206,14 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     // Down: G rows of K = intermediate values (tensor cores for prefill, as gate/up).
     let mma_dn = tokens > MOE_DECODE_TOKENS && inter % 64 == 0;
     let kc_dn = mma_chunk(cx.arch, inter);
-    let g2n = if mma_dn { MMA_GROUP } else { group_size(tokens, inter * 3 / 4, cx.smem_limit)? };
+    let g2n = if mma_dn {
+        MMA_GROUP
+    } else {
+        let most = group_size(tokens, inter * 3 / 4, cx.smem_limit)?;
+        decode_group(most, &routing, h as f64 * inter as f64 * 9.0 / 16.0, h as f64 * inter as f64 * 2.0, &consts)
+    };
+    let unique_down = routing.sum(|n| if n > 0.0 { 1.0 } else { 0.0 }) * h as f64 * inter as f64 * 9.0 / 16.0;
+    let dn_cols = down_cols(h, routing.sum(|n| n), inter, unique_down, mma_dn, cx.sms);
     let dn = MoeDownParams {
         arch: cx.arch,
         tokens: u(tokens)?,
@@ -171,7 +222,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         inter: u(inter)?,
         hidden: u(h)?,
         g: g2n as u32,
-        cols: MOE_COLS,
+        cols: dn_cols,
         lanes: lanes(inter),
         mma: mma_dn as u32,
         kc: kc_dn as u32,
@@ -197,13 +248,40 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     }
     Ok(vec![
         of_grid(&gu, [u(e)?, u(inter)?.div_ceil(gu_cols), 1], THREADS, gu_args.launch_args()),
-        of_grid(&dn, [u(h)?.div_ceil(MOE_COLS), 1, 1], THREADS, dn_args.launch_args()),
+        of_grid(&dn, [u(h)?.div_ceil(dn_cols), 1, 1], THREADS, dn_args.launch_args()),
     ])
 }
 
 #[cfg(test)]
 mod tests {
-    use super::gate_up_cols;
+    use super::{decode_group, down_cols, gate_up_cols};
+    use kiln_runtime::perf::{Constants, Experts};
+
+    #[test]
+    fn decode_down_halves_its_blocks_when_they_leave_sms_idle() {
+        // GLM-5 tp8 down (hidden 6144, a 256-wide slice), 188 SMs: batch 64 routes ~512 pairs
+        // to ~225 experts (226 MB of weights); 96 blocks of 64 columns draw half the bandwidth,
+        // 192 of 32 all of it for 25 MB more of mid.
+        let w = 225.0 * 6144.0 * 256.0 * 9.0 / 16.0;
+        assert_eq!(down_cols(6144, 512.0, 256, w, false, 188), 32);
+        // A GPU that 96 blocks fill keeps them; so does the tensor-core path.
+        assert_eq!(down_cols(6144, 512.0, 256, w, false, 96), 64);
+        assert_eq!(down_cols(6144, 512.0, 256, w, true, 188), 64);
+    }
+
+    #[test]
+    fn decode_groups_stop_growing_where_the_flops_outrun_the_weight_reads() {
+        // GLM-5 tp8 down (a 6144 x 256 slice per expert): 0.58 µs to stream an expert's rows,
+        // 0.052 µs of FP32 per token row, so up to 11 rows a group is bandwidth-bound. Batch 64
+        // (~2 tokens per expert): 8 rows is one group for nearly every expert, 16 or 32 only add
+        // FLOPs. Batch 1: one token per selected expert, so one row. Batch 4: all four rows
+        // in one group, so an expert hit twice streams its weights once (rows are cheap here).
+        let (w, f) = (6144.0 * 256.0 * 9.0 / 16.0, 6144.0 * 256.0 * 2.0);
+        let c = Constants::SM120A;
+        assert_eq!(decode_group(32, &Experts::uniform(64, 8, 256, 256), w, f, &c), 8);
+        assert_eq!(decode_group(1, &Experts::uniform(1, 8, 256, 256), w, f, &c), 1);
+        assert_eq!(decode_group(4, &Experts::uniform(4, 8, 256, 256), w, f, &c), 4);
+    }
 
     #[test]
     fn decode_gate_up_narrows_its_blocks_until_the_gpu_is_full() {
