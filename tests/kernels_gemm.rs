@@ -17,6 +17,7 @@ mod common;
 use common::{bytes, floats, randn};
 use kiln_compiler::kernels::{LinearBf16GemmParams, LinearNvfp4GemmParams};
 use kiln_compiler::passes::lower::bf16_gemm_form;
+use kiln_runtime::perf::Constants;
 use kiln_runtime::cpu::reference;
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
 use kiln_runtime::rng::Rng;
@@ -318,7 +319,7 @@ fn glm5_prefill_shapes_assemble_without_spills() {
         for &(n, k) in &[(2048u32, 6144u32), (6144, 2048), (576, 6144), (19360, 6144), (40, 80), (150, 1040)] {
             for (x_bf16, out_bf16) in [(1, 1), (1, 0), (0, 0)] {
                 // as lowering picks them (188 SMs)
-                let picked = bf16_gemm_form(m as usize, n as usize, k as usize, x_bf16 == 1, 188);
+                let picked = bf16_gemm_form(m as usize, n as usize, k as usize, x_bf16 == 1, &Constants::SM120A);
                 let f = if picked.split == 1 {
                     split(picked.mt, picked.nt)
                 } else if picked.mt == 4 {

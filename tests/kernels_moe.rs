@@ -19,6 +19,7 @@ use kiln_compiler::kernels::{MoeDownParams, MoeGateUpParams};
 use kiln_compiler::passes::lower::{gate_up_cols, SMEM_LIMIT, THREADS};
 use kiln_runtime::cpu::reference::{self, Nvfp4Stack};
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, Module};
+use kiln_runtime::perf::{Constants, Experts};
 use kiln_runtime::numerics::{bf16_to_f32, f32_to_bf16, quantize_nvfp4, round_bf16};
 use kiln_runtime::plan::DType;
 use kiln_runtime::rng::Rng;
@@ -441,7 +442,7 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
             let mma = tokens > 64;
             let g1 = if mma { 32 } else { group(tokens, hidden * 3 / 2) };
             let g2 = if mma { 32 } else { group(tokens, inter * 3 / 4) };
-            let cols = gate_up_cols(tokens, top_k, experts, inter, hidden, 2, mma, 188);
+            let cols = gate_up_cols(&Experts::uniform(tokens, top_k, 256, experts), inter, hidden, 2, mma, &Constants::SM120A);
             let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: THREADS, x_bf16: 1 };
             let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: if mma { COLS } else { 32 } /* down_cols at GLM-5 decode sizes */, lanes: lanes(inter), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1 };
             out.push((format!("sm_{arch}a glm5 {mode} tokens={tokens} G={g1}/{g2} cols={cols} mma={mma}"), gu, dn));

@@ -430,21 +430,9 @@ def nvfp4_copy(model) -> GlmMoeDsaForCausalLM:
     weights = {k.replace(".inner.", "."): v for k, v in weights.items()}
     for q in quantized_names(m):
         weights[f"{q}.weight"] = mg.dequantize_weight(mg.quantize_weight(weights[f"{q}.weight"]))
-    inter = m.config.moe_intermediate_size
-    with torch.no_grad():
-        for name, t in m.state_dict().items():
-            key = name.replace(".inner.", ".")
-            if key.endswith("experts.gate_up_proj"):
-                base = key[: -len("gate_up_proj")]
-                for e in range(t.shape[0]):
-                    t[e, :inter].copy_(weights[f"{base}{e}.gate_proj.weight"])
-                    t[e, inter:].copy_(weights[f"{base}{e}.up_proj.weight"])
-            elif key.endswith("experts.down_proj"):
-                base = key[: -len("down_proj")]
-                for e in range(t.shape[0]):
-                    t[e].copy_(weights[f"{base}{e}.down_proj.weight"])
-            else:
-                t.copy_(weights[key])
+    # the wrapped linears' parameters are `….inner.weight` in the model, `….weight` in a checkpoint
+    aliases = {n: weights[n.replace(".inner.", ".")] for n in m.state_dict() if ".inner." in n}
+    mg.set_checkpoint_weights(m, {**weights, **aliases})
     return m
 
 

@@ -196,7 +196,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     emit(out)
 }
 
-/// Decimal bytes with a unit (the model's byte counts are fractional expectations).
 /// The column heads of a decode or prefill table; `first` names the leading column.
 fn step_header(out: &mut String, first: &str) -> std::fmt::Result {
     writeln!(out, "    {:>5} {:>7} {:>10} {:>9} {:>10} {:>9} {:>10} {:>10} {:>8} {:>5}", first, "context", "step ms", "tok/s", "p2p ms", "p2p tok/s", "bytes/GPU", "KV/GPU", "launches", "coll")
@@ -220,6 +219,7 @@ fn step_row(out: &mut String, first: usize, s: &perf::StepPerf, digits: usize) -
     )
 }
 
+/// Decimal bytes with a unit (the model's byte counts are fractional expectations).
 fn gb(bytes: f64) -> String {
     if bytes >= 1e9 {
         format!("{:.2} GB", bytes / 1e9)

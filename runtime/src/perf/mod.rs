@@ -181,17 +181,17 @@ impl ProgramPerf {
     }
 
     pub fn bytes(&self) -> Bytes {
-        let mut b = Bytes::default();
-        for l in &self.launches {
-            b.add(&l.cost.bytes);
-        }
-        b
+        self.sum_bytes(|c| &c.bytes)
     }
 
     pub fn compulsory(&self) -> Bytes {
+        self.sum_bytes(|c| &c.compulsory)
+    }
+
+    fn sum_bytes(&self, of: impl Fn(&Cost) -> &Bytes) -> Bytes {
         let mut b = Bytes::default();
         for l in &self.launches {
-            b.add(&l.cost.compulsory);
+            b.add(of(&l.cost));
         }
         b
     }

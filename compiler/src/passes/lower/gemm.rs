@@ -9,8 +9,9 @@
 //! activations with its own `input_scale`), or one launch for SiLU-mul, whose blocks take gate
 //! rows and the matching up rows.
 
-use super::{fits, float_flag, numel, of_grid, Cx, Instance, THREADS};
+use super::{candidate_us, fits, float_flag, numel, of_grid, Cx, Instance, THREADS};
 use crate::kernels::{LinearBf16GemmArgs, LinearBf16GemmParams, LinearNvfp4GemmArgs, LinearNvfp4GemmParams, Ptr};
+use kiln_runtime::perf::Constants;
 use kiln_runtime::plan::{LinearWeights, Op};
 
 /// Activation rows per block of both tiled GEMMs.
@@ -61,11 +62,11 @@ pub struct Bf16Form {
 
 /// The BF16 GEMM's form for M x N x K. Prefill (M > 64) is tiled: 128-row blocks with BF16
 /// activations past 64 rows, else 64. Up to 64 rows the split-K widths (32, 16, 8 weight rows
-/// per block) and the tiled form are costed as `kiln inspect --perf` costs them: the weights
-/// read once per row block, the activations once per column block, over the fraction of the
-/// SMs the blocks occupy; the cheapest wins (ties: the earlier). At decode batch 64 a 2,048-row
-/// projection becomes 128 split blocks instead of 16 tiled ones.
-pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, sms: u32) -> Bf16Form {
+/// per block) and the tiled form are costed with [`candidate_us`]: the weights read once per
+/// row block, the activations once per column block, over the SMs the blocks occupy; the
+/// cheapest wins (ties: the earlier). At decode batch 64 a 2,048-row projection becomes 128
+/// split blocks instead of 16 tiled ones.
+pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Constants) -> Bf16Form {
     let tiled = Bf16Form { split: 0, mt: if x_bf16 && m > GEMM_BM { 4 } else { 2 }, nt: 1 };
     if m > BF16_SPLIT_MAX_M {
         return tiled;
@@ -74,8 +75,7 @@ pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, sms: u32) -> B
     let cost = |f: &Bf16Form| {
         let (bm, bn) = if f.split == 1 { (16 * f.mt as usize, 8 * f.nt as usize) } else { (32 * f.mt as usize, GEMM_BN) };
         let (gx, gy) = (n.div_ceil(bn) as f64, m.div_ceil(bm) as f64);
-        let bytes = (n * k * 2) as f64 * gy + (m * k * x_bytes) as f64 * gx;
-        bytes / (gx * gy / sms.max(1) as f64).min(1.0)
+        candidate_us((n * k * 2) as f64 * gy, (m * k * x_bytes) as f64 * gx, 0.0, gx * gy, consts)
     };
     let mt = m.div_ceil(16) as u32;
     let candidates = [4, 2, 1].map(|nt| Bf16Form { split: 1, mt, nt });
@@ -113,7 +113,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             // weights streaming. Else 128-row blocks halve the weight traffic of long prefills;
             // F32 activations (three BF16 planes) and short ones keep 64 rows.
             let base = LinearBf16GemmParams { arch: cx.arch, m: u(m), n: u(n), k: u(k), split: 0, mt: 2, nt: 1, kb: BF16_KB, nbuf: 2, threads: THREADS, x_bf16, out_bf16 };
-            let form = bf16_gemm_form(m, n, k, x_bf16 == 1, cx.sms);
+            let form = bf16_gemm_form(m, n, k, x_bf16 == 1, &cx.consts);
             let (params, bm, bn) = if form.split == 1 {
                 (LinearBf16GemmParams { split: 1, mt: form.mt, nt: form.nt, ..base }, 16 * form.mt as usize, 8 * form.nt as usize)
             } else {
@@ -189,19 +189,20 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
 #[cfg(test)]
 mod tests {
     use super::{bf16_gemm_form, nvfp4_stages, ring, Bf16Form};
+    use kiln_runtime::perf::Constants;
 
     #[test]
     fn bf16_decode_gemms_pick_the_form_the_byte_model_prefers() {
         // GLM-5 tp8 q_a (2,048 x 6144) at decode batch 64 on 188 SMs: 16 tiled blocks draw
         // 16/188 of the bandwidth for 37.8 MB, 444 MB-equivalents; split-K 16 rows wide makes 128
         // blocks for 125.8 MB at 0.68, 185; 8 or 32 wide cost 226 and 222.
-        assert_eq!(bf16_gemm_form(64, 2048, 6144, true, 188), Bf16Form { split: 1, mt: 4, nt: 2 });
+        assert_eq!(bf16_gemm_form(64, 2048, 6144, true, &Constants::SM120A), Bf16Form { split: 1, mt: 4, nt: 2 });
         // Prefill is always tiled, 128 rows per block with BF16 activations.
-        assert_eq!(bf16_gemm_form(2048, 2048, 6144, true, 188), Bf16Form { split: 0, mt: 4, nt: 1 });
-        assert_eq!(bf16_gemm_form(2048, 2048, 6144, false, 188), Bf16Form { split: 0, mt: 2, nt: 1 });
+        assert_eq!(bf16_gemm_form(2048, 2048, 6144, true, &Constants::SM120A), Bf16Form { split: 0, mt: 4, nt: 1 });
+        assert_eq!(bf16_gemm_form(2048, 2048, 6144, false, &Constants::SM120A), Bf16Form { split: 0, mt: 2, nt: 1 });
         // The lm_head slice (19,360 rows) at 32 tokens: the widest split blocks re-read the
         // activations 605 times; 128-wide tiles read them 152 times and still fill the GPU.
-        assert_eq!(bf16_gemm_form(32, 19_360, 6144, true, 188), Bf16Form { split: 0, mt: 2, nt: 1 });
+        assert_eq!(bf16_gemm_form(32, 19_360, 6144, true, &Constants::SM120A), Bf16Form { split: 0, mt: 2, nt: 1 });
     }
 
     #[test]

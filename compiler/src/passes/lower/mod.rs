@@ -21,6 +21,7 @@ pub use moe::{down_cols, gate_up_cols};
 
 use crate::kernels::{AddArgs, AddParams, EmbedArgs, EmbedParams, GatherRowsArgs, GatherRowsParams, LinearBf16GemvArgs, LinearBf16GemvParams, LinearNvfp4GemvArgs, LinearNvfp4GemvParams, KernelParams, Ptr, RmsnormArgs, RmsnormParams};
 use crate::CompileError;
+use kiln_runtime::perf::{launch_time, Bytes, Constants, Cost, Flops};
 use kiln_runtime::plan::{
     Arch, BufId, DType, Epilogue, KernelFamily, KernelId, KernelInfo, Launch, LaunchArg, LinearPart, LinearWeights, Op, Plan,
     Program,
@@ -84,22 +85,28 @@ pub(crate) struct Cx<'a> {
     /// 120 or 90.
     pub arch: u32,
     pub smem_limit: u32,
-    /// The target's SMs: launches with fewer blocks leave bandwidth unused.
-    pub sms: u32,
+    /// The performance model's constants for the target: block shapes are chosen with them.
+    pub consts: Constants,
+}
+
+/// Predicted µs of a candidate launch shape: `perf::launch_time` (what `kiln inspect --perf`
+/// prints) of the weight and activation bytes it moves, its FP32 FLOPs and its working blocks.
+/// Lowering picks block shapes with it, so a choice and the prediction never disagree.
+pub fn candidate_us(weights: f64, activations: f64, fp32_flops: f64, blocks: f64, k: &Constants) -> f64 {
+    let bytes = Bytes { weights, activations, ..Bytes::default() };
+    let cost = Cost { bytes, flops: Flops { fp32: fp32_flops, ..Flops::default() }, blocks, ..Cost::default() };
+    launch_time(&cost, k).us
 }
 
 /// Output columns per block of a GEMV with `tasks` columns of `task_bytes` weight bytes each,
-/// when every block also stages `block_bytes` of activations (all M rows). Each block count
-/// costs its bytes (weights once, activations once per block) over the bandwidth its blocks can
-/// draw (a launch with fewer blocks than SMs gets that fraction, as `kiln inspect --perf`
-/// models it): at decode batch 1 one column per warp fills the GPU (a 2,048-row projection
-/// becomes 256 blocks, not 32); with 32 staged rows wider blocks re-read x less. Ties keep the
-/// wider block.
-pub fn gemv_tasks_per_block(tasks: usize, task_bytes: usize, block_bytes: usize, sms: u32) -> u32 {
+/// when every block also stages `block_bytes` of activations (all M rows): weights once,
+/// activations once per block, over the SMs the blocks occupy ([`candidate_us`]). At decode
+/// batch 1 one column per warp fills the GPU (a 2,048-row projection becomes 256 blocks, not
+/// 32); with 32 staged rows wider blocks re-read x less. Ties keep the wider block.
+pub fn gemv_tasks_per_block(tasks: usize, task_bytes: usize, block_bytes: usize, k: &Constants) -> u32 {
     let cost = |per_block: u32| {
         let blocks = tasks.div_ceil(per_block as usize) as f64;
-        let occupancy = (blocks / sms.max(1) as f64).min(1.0);
-        (tasks as f64 * task_bytes as f64 + blocks * block_bytes as f64) / occupancy
+        candidate_us(tasks as f64 * task_bytes as f64, blocks * block_bytes as f64, 0.0, blocks, k)
     };
     let mut best = TASKS_PER_BLOCK;
     let mut per_block = TASKS_PER_BLOCK;
@@ -121,6 +128,7 @@ pub fn lower(plan: &mut Plan) -> Result<(), CompileError> {
         Arch::Sm90a => 90,
     };
     let smem_limit = SMEM_LIMIT.min(plan.target.smem_per_block);
+    let (consts, _) = Constants::for_target(&plan.target).map_err(|message| CompileError::Verifier { pass: "lower", message })?;
     let mut kernels: Vec<KernelInfo> = Vec::new();
     let mut by_name: BTreeMap<String, KernelId> = BTreeMap::new();
     let mut missing: BTreeMap<(KernelFamily, String), usize> = BTreeMap::new();
@@ -131,7 +139,7 @@ pub fn lower(plan: &mut Plan) -> Result<(), CompileError> {
             if family == KernelFamily::Collective {
                 continue;
             }
-            let cx = Cx { plan, program, arch, smem_limit, sms: plan.target.sm_count };
+            let cx = Cx { plan, program, arch, smem_limit, consts };
             match instances(&cx, &program.steps[s].op) {
                 Err(reason) => *missing.entry((family, reason)).or_default() += 1,
                 Ok(list) => {
@@ -285,7 +293,7 @@ fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
 }
 
 fn instance(cx: &Cx, op: &Op) -> Result<Instance, String> {
-    let (plan, p, arch, smem_limit, sms) = (cx.plan, cx.program, cx.arch, cx.smem_limit, cx.sms);
+    let (plan, p, arch, smem_limit) = (cx.plan, cx.program, cx.arch, cx.smem_limit);
     match *op {
         Op::RmsNorm { input, residual, weight, eps, out } => {
             let h = width(p, out);
@@ -330,7 +338,7 @@ fn instance(cx: &Cx, op: &Op) -> Result<Instance, String> {
                     bf16_linear_shape(k, epilogue, "GEMV")?;
                     let staged = m * k * if x_bf16 == 1 { 2 } else { 4 };
                     fits(staged, smem_limit, &format!("a BF16 GEMV with M = {m}, K = {k}"))?;
-                    let tasks_per_block = gemv_tasks_per_block(n, 2 * k, staged, sms);
+                    let tasks_per_block = gemv_tasks_per_block(n, 2 * k, staged, &cx.consts);
                     let params = LinearBf16GemvParams {
                         arch,
                         m: m as u32,
@@ -351,7 +359,7 @@ fn instance(cx: &Cx, op: &Op) -> Result<Instance, String> {
                     // a task is one output column: one weight row, or a gate and an up row
                     let task_bytes = (if silu { 2 } else { 1 }) * k * 9 / 16;
                     let staged = m * k * if x_bf16 == 1 { 2 } else { 4 };
-                    let tasks_per_block = gemv_tasks_per_block(tasks, task_bytes, staged, sms);
+                    let tasks_per_block = gemv_tasks_per_block(tasks, task_bytes, staged, &cx.consts);
                     let params = LinearNvfp4GemvParams {
                         arch,
                         m: m as u32,
@@ -445,18 +453,19 @@ fn instance(cx: &Cx, op: &Op) -> Result<Instance, String> {
 #[cfg(test)]
 mod tests {
     use super::gemv_tasks_per_block;
+    use kiln_runtime::perf::Constants;
 
     #[test]
     fn gemv_blocks_fill_the_gpu_at_batch_one_and_widen_with_staged_rows() {
         // GLM-5 tp8 q_a (2,048 BF16 rows of K = 6144), 188 SMs. Batch 1: 32 blocks of 64 would
         // draw 32/188 of the bandwidth; 256 blocks of 8 draw all of it for 12 KiB more x each.
-        assert_eq!(gemv_tasks_per_block(2048, 2 * 6144, 2 * 6144, 188), 8);
+        assert_eq!(gemv_tasks_per_block(2048, 2 * 6144, 2 * 6144, &Constants::SM120A), 8);
         // Batch 32 stages 384 KiB of x per block: 128 blocks of 16 cost (25.2 + 50.3 MB) / 0.68,
         // less than 256 of 8 ((25.2 + 100.7 MB) / 1) or 64 of 32 ((25.2 + 25.2 MB) / 0.34).
-        assert_eq!(gemv_tasks_per_block(2048, 2 * 6144, 32 * 2 * 6144, 188), 16);
+        assert_eq!(gemv_tasks_per_block(2048, 2 * 6144, 32 * 2 * 6144, &Constants::SM120A), 16);
         // Few columns: one per warp, however few blocks that makes.
-        assert_eq!(gemv_tasks_per_block(32, 2 * 6144, 2 * 6144, 188), 8);
+        assert_eq!(gemv_tasks_per_block(32, 2 * 6144, 2 * 6144, &Constants::SM120A), 8);
         // A GPU the widest blocks already fill keeps them.
-        assert_eq!(gemv_tasks_per_block(64 * 188, 2 * 6144, 2 * 6144, 188), 64);
+        assert_eq!(gemv_tasks_per_block(64 * 188, 2 * 6144, 2 * 6144, &Constants::SM120A), 64);
     }
 }

@@ -10,9 +10,9 @@
 //! FP4 mma m16n8k64 with e4m3 block scales on sm_120a, f16 mma m16n8k16 over the decoded
 //! (exact) values on sm_90a.
 
-use super::{float_flag, numel, of_grid, width, Cx, Instance, THREADS};
+use super::{candidate_us, float_flag, numel, of_grid, width, Cx, Instance, THREADS};
 use crate::kernels::{MoeDownArgs, MoeDownParams, MoeGateUpArgs, MoeGateUpParams, Ptr};
-use kiln_runtime::perf::{Constants, Experts};
+use kiln_runtime::perf::{uniform_experts, Constants, Experts};
 use kiln_runtime::plan::{DType, LaunchArg, LinearWeights, Op};
 
 /// Columns per block of both launches (8 warps, 8 columns each: the tensor-core path gives every
@@ -68,38 +68,39 @@ pub fn group_size(tokens: usize, bytes_per_token: usize, smem_limit: u32) -> Res
 }
 
 /// Intermediate columns per block of the gate/up launch. The tensor-core path takes 64 (an n8
-/// tile per warp). The CUDA-core (decode) path picks from 64, 32, 16 and 8 what the byte model
-/// predicts fastest, with routing assumed spread over `tokens * top_k` experts: each working
-/// block reads its columns' gate and up rows once and its expert's activation rows, over the
-/// fraction of the SMs the working blocks occupy. At GLM-5 tp8 batch 1 (8 experts x 256
-/// columns) 64-wide blocks are 32 working blocks; 8-wide, 256.
-#[allow(clippy::too_many_arguments)]
-pub fn gate_up_cols(tokens: usize, top_k: usize, experts: usize, inter: usize, k: usize, x_bytes: usize, mma: bool, sms: u32) -> u32 {
+/// tile per warp). The CUDA-core (decode) path picks from 64, 32, 16 and 8 by [`candidate_us`]
+/// under `routing`: each working block (an expert that got tokens, times a column tile) reads
+/// its columns' gate and up rows once and its expert's activation rows. At GLM-5 tp8 batch 1
+/// (8 experts x 256 columns) 64-wide blocks are 32 working blocks; 8-wide, 256.
+pub fn gate_up_cols(routing: &Experts, inter: usize, k: usize, x_bytes: usize, mma: bool, consts: &Constants) -> u32 {
     if mma {
         return MOE_COLS;
     }
-    let active = experts.min(tokens * top_k).max(1);
-    let rows_per_expert = (tokens * top_k).div_ceil(active);
+    let hit = routing.sum(|n| if n > 0.0 { 1.0 } else { 0.0 });
+    let pairs = routing.sum(|n| n);
+    let weights = hit * 2.0 * inter as f64 * k as f64 * 9.0 / 16.0;
     let cost = |cols: u32| {
-        let blocks = (active * inter.div_ceil(cols as usize)) as f64;
-        let per_block = (rows_per_expert * k * x_bytes) as f64 + cols as f64 * 2.0 * k as f64 * 9.0 / 16.0;
-        blocks * per_block / (blocks / sms.max(1) as f64).min(1.0)
+        // every column tile of an expert reads that expert's rows
+        let tiles = inter.div_ceil(cols as usize) as f64;
+        candidate_us(weights, tiles * pairs * (k * x_bytes) as f64, 0.0, hit * tiles, consts)
     };
     [MOE_COLS, 32, 16, 8].into_iter().fold(MOE_COLS, |best, c| if cost(c) < cost(best) { c } else { best })
 }
 
 /// Hidden columns per block of the down launch. The tensor-core path takes 64. The CUDA-core
-/// (decode) path picks from 64 and 32 what the byte model predicts fastest: every block reads
-/// the whole `mid` (`pairs` rows of `inter` BF16 values) and its columns of the routed experts'
-/// `weight_bytes`, over the fraction of the SMs its blocks occupy. At GLM-5 tp8 batch 64,
-/// 64-wide blocks are 96 (half the GPU); 32-wide, 192 for 25 MB more of `mid` re-reads.
-pub fn down_cols(hidden: usize, pairs: f64, inter: usize, weight_bytes: f64, mma: bool, sms: u32) -> u32 {
+/// (decode) path picks 64 or 32 by [`candidate_us`] under `routing`: every block reads the
+/// whole `mid` (one row of `inter` BF16 values per routed pair) and its columns of the routed
+/// experts' weights. At GLM-5 tp8 batch 64, 64-wide blocks are 96 (half the GPU); 32-wide,
+/// 192 for 25 MB more of `mid` re-reads.
+pub fn down_cols(routing: &Experts, hidden: usize, inter: usize, mma: bool, consts: &Constants) -> u32 {
     if mma {
         return MOE_COLS;
     }
+    let weights = routing.sum(|n| if n > 0.0 { 1.0 } else { 0.0 }) * hidden as f64 * inter as f64 * 9.0 / 16.0;
+    let mid = routing.sum(|n| n) * inter as f64 * 2.0;
     let cost = |cols: u32| {
         let blocks = hidden.div_ceil(cols as usize) as f64;
-        (blocks * pairs * inter as f64 * 2.0 + weight_bytes) / (blocks / sms.max(1) as f64).min(1.0)
+        candidate_us(weights, blocks * mid, 0.0, blocks, consts)
     };
     [MOE_COLS, 32].into_iter().fold(MOE_COLS, |best, c| if cost(c) < cost(best) { c } else { best })
 }
@@ -108,15 +109,13 @@ pub fn down_cols(hidden: usize, pairs: f64, inter: usize, weight_bytes: f64, mma
 /// memory). Both kernels compute every row of a group (register accumulators) and read an
 /// expert's weights once per group: large groups waste FLOPs on experts with few tokens (at
 /// batch 64 an expert gets ~2 tokens), small ones re-read the weights of busy experts. Each
-/// candidate (powers of two up to `most`, and `most`) is costed as `kiln inspect --perf` costs
-/// it under uniform routing: max(groups x `weight_bytes` / bandwidth, groups x G x
-/// `row_flops` / FP32 rate); ties keep the larger group.
-pub fn decode_group(most: usize, routing: &Experts, weight_bytes: f64, row_flops: f64, c: &Constants) -> usize {
+/// candidate (powers of two up to `most`, and `most`) is costed by [`candidate_us`] under
+/// uniform routing (groups x `weight_bytes`, groups x G x `row_flops`; the blocks do not depend
+/// on G); ties keep the larger group.
+pub fn decode_group(most: usize, routing: &Experts, weight_bytes: f64, row_flops: f64, consts: &Constants) -> usize {
     let cost = |g: usize| {
         let groups = routing.sum(|n| (n / g as f64).ceil());
-        let bytes_us = groups * weight_bytes / (c.dram_tbps * c.dram_efficiency * 1e6);
-        let flops_us = groups * g as f64 * row_flops / (c.fp32_tflops * 1e6);
-        bytes_us.max(flops_us)
+        candidate_us(groups * weight_bytes, 0.0, groups * g as f64 * row_flops, consts.sms as f64, consts)
     };
     let candidates = (0..6).map(|i| 1usize << i).filter(|&g| g < most).chain([most.max(1)]);
     candidates.fold(most.max(1), |best, g| if cost(g) < cost(best) { g } else { best })
@@ -165,18 +164,16 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     // memory. Decode: G rows of K values per part as codes (K/2 B) and f32 scales (K/4 B).
     let mma = tokens > MOE_DECODE_TOKENS && h % 64 == 0;
     let kc = mma_chunk(cx.arch, h);
-    // Decode groups are costed with the performance model's constants for the target.
-    let (consts, _) = Constants::for_target(&cx.plan.target)?;
-    let total_experts = if expert_parallel { e * cx.plan.ranks() } else { e };
-    let routing = Experts::uniform(tokens, top_k, total_experts, e);
+    // Decode shapes are costed under the uniform routing `kiln inspect --perf` assumes.
+    let routing = uniform_experts(cx.plan, tokens);
     let g1 = if mma {
         MMA_GROUP
     } else {
         let most = group_size(tokens, h * 3 / 2, cx.smem_limit)?;
-        decode_group(most, &routing, 2.0 * inter as f64 * h as f64 * 9.0 / 16.0, 2.0 * inter as f64 * 2.0 * h as f64, &consts)
+        decode_group(most, &routing, 2.0 * inter as f64 * h as f64 * 9.0 / 16.0, 2.0 * inter as f64 * 2.0 * h as f64, &cx.consts)
     };
     let x_bf16 = float_flag(p.buffer(input).dtype, "the input")?;
-    let gu_cols = gate_up_cols(tokens, top_k, e, inter, h, if x_bf16 == 1 { 2 } else { 4 }, mma, cx.sms);
+    let gu_cols = gate_up_cols(&routing, inter, h, if x_bf16 == 1 { 2 } else { 4 }, mma, &cx.consts);
     let gu = MoeGateUpParams {
         arch: cx.arch,
         tokens: u(tokens)?,
@@ -210,10 +207,9 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         MMA_GROUP
     } else {
         let most = group_size(tokens, inter * 3 / 4, cx.smem_limit)?;
-        decode_group(most, &routing, h as f64 * inter as f64 * 9.0 / 16.0, h as f64 * inter as f64 * 2.0, &consts)
+        decode_group(most, &routing, h as f64 * inter as f64 * 9.0 / 16.0, h as f64 * inter as f64 * 2.0, &cx.consts)
     };
-    let unique_down = routing.sum(|n| if n > 0.0 { 1.0 } else { 0.0 }) * h as f64 * inter as f64 * 9.0 / 16.0;
-    let dn_cols = down_cols(h, routing.sum(|n| n), inter, unique_down, mma_dn, cx.sms);
+    let dn_cols = down_cols(&routing, h, inter, mma_dn, &cx.consts);
     let dn = MoeDownParams {
         arch: cx.arch,
         tokens: u(tokens)?,
@@ -255,18 +251,18 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
 #[cfg(test)]
 mod tests {
     use super::{decode_group, down_cols, gate_up_cols};
-    use kiln_runtime::perf::{Constants, Experts};
+    use kiln_runtime::perf::{uniform_experts, Constants, Experts};
 
     #[test]
     fn decode_down_halves_its_blocks_when_they_leave_sms_idle() {
         // GLM-5 tp8 down (hidden 6144, a 256-wide slice), 188 SMs: batch 64 routes ~512 pairs
         // to ~225 experts (226 MB of weights); 96 blocks of 64 columns draw half the bandwidth,
         // 192 of 32 all of it for 25 MB more of mid.
-        let w = 225.0 * 6144.0 * 256.0 * 9.0 / 16.0;
-        assert_eq!(down_cols(6144, 512.0, 256, w, false, 188), 32);
+        let (batch64, c) = (Experts::uniform(64, 8, 256, 256), Constants::SM120A);
+        assert_eq!(down_cols(&batch64, 6144, 256, false, &c), 32);
         // A GPU that 96 blocks fill keeps them; so does the tensor-core path.
-        assert_eq!(down_cols(6144, 512.0, 256, w, false, 96), 64);
-        assert_eq!(down_cols(6144, 512.0, 256, w, true, 188), 64);
+        assert_eq!(down_cols(&batch64, 6144, 256, false, &Constants { sms: 96, ..c }), 64);
+        assert_eq!(down_cols(&batch64, 6144, 256, true, &c), 64);
     }
 
     #[test]
@@ -285,13 +281,14 @@ mod tests {
 
     #[test]
     fn decode_gate_up_narrows_its_blocks_until_the_gpu_is_full() {
-        // GLM-5 tp8, 188 SMs. Batch 1: 8 experts x 256 columns; 64-wide blocks are 32 working
+        // GLM-5 tp8, 188 SMs, uniform routing. Batch 1: 8 experts x 256 columns; 64-wide blocks are 32 working
         // blocks (14.5 MB at 32/188), 8-wide 256 (17.3 MB at full bandwidth).
-        assert_eq!(gate_up_cols(1, 8, 256, 256, 6144, 2, false, 188), 8);
+        let (routed, c) = (|tokens| Experts::uniform(tokens, 8, 256, 256), Constants::SM120A);
+        assert_eq!(gate_up_cols(&routed(1), 256, 6144, 2, false, &c), 8);
         // Batch 64: 256 experts with about 2 tokens each already fill the GPU at 64 columns;
         // narrower blocks would only re-read the activations.
-        assert_eq!(gate_up_cols(64, 8, 256, 256, 6144, 2, false, 188), 64);
+        assert_eq!(gate_up_cols(&routed(64), 256, 6144, 2, false, &c), 64);
         // The tensor-core path needs an n8 tile per warp.
-        assert_eq!(gate_up_cols(8192, 8, 256, 256, 6144, 2, true, 188), 64);
+        assert_eq!(gate_up_cols(&routed(8192), 256, 6144, 2, true, &c), 64);
     }
 }
