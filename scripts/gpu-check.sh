@@ -10,6 +10,7 @@
 # Usage: scripts/gpu-check.sh [--quick]
 #   KILN_BIN=/path/to/kiln   a prebuilt (stripped) kiln; without it the script builds one (needs cargo)
 #   OUT=/dir                 where the report goes (summary.json + logs); default target/gpu-check
+#   GPU_CHECK_BUDGET=SECONDS the wall-time budget (default 470, 170 with --quick)
 # Needs only bash, coreutils, curl-free bash networking and python3 (standard library). Without a
 # GPU it exits non-zero saying so. Under scripts/with-cuda-double.sh it runs on the driver double
 # (slowly: the kernels execute on the PTX emulator), which is how CI rehearses it.
@@ -31,7 +32,7 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/kiln-gpu-check.XXXXXX")
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
 start=$(date +%s)
 # Wall-time budget: 8 minutes (3 with --quick); later stages are skipped, not run late.
-budget=$(( quick ? 170 : 470 ))
+budget=${GPU_CHECK_BUDGET:-$(( quick ? 170 : 470 ))}
 python=${PYTHON:-python3}
 
 results="$out/results.jsonl"
@@ -106,16 +107,17 @@ preset=tiny; chunk=64; batches=1,2,4,8,16; context=512
 [ "$double" = 1 ] && { preset=micro; chunk=32; batches=1,2,4; context=128; }
 tp=1
 [ "$gpus" -ge 2 ] && { [ "$quick" = 0 ] || [ "$double" = 1 ]; } && tp=2
-compile() { # NAME CKPT TP
+compile() { # NAME CKPT TP [MAX-CONTEXT]
   run compile 120 "$kiln" compile "$2" --target "$arch" --tp "$3" --decode-batches "$batches" \
-    --prefill-chunk "$chunk" --max-context "$context" -o "$work/$1"
+    --prefill-chunk "$chunk" --max-context "${4:-$context}" -o "$work/$1"
 }
 run synth 60 "$kiln" synth "$preset" -o "$work/tiny-ckpt" || record synth fail
 models=(demo)
 compile demo "$work/tiny-ckpt" "$tp" || record compile-demo fail
 if [ "$quick" = 0 ]; then
   for g in nvfp4_groups nvfp4_flatcfg; do
-    compile "$g" "$root/tests/goldens/$g/ckpt" "$tp" && models+=("$g") || record "compile-$g" fail
+    # The goldens' own max_position_embeddings are 128 and 256.
+    compile "$g" "$root/tests/goldens/$g/ckpt" "$tp" 128 && models+=("$g") || record "compile-$g" fail
   done
 fi
 record compile ok "{\"models\":\"${models[*]}\",\"tp\":$tp}"
@@ -169,6 +171,68 @@ import json, sys; d = json.load(sys.stdin); d.pop("rel_l2"); print(json.dumps(d)
     fi
   done
 done
+
+# ---- the trained demo model: the GPU must write the CPU backend's reply -----------------------
+# Unlike the random models above it is not chaotic: a greedy reply differing from the CPU's
+# means a wrong kernel, not a rounding near-tie. The reply must also hold the right sum.
+if [ "$double" = 0 ] && [ -f "$root/artifacts/demo-model/config.json" ]; then
+  if compile trained "$root/artifacts/demo-model" "$tp"; then
+    for b in cuda cpu; do
+      run_to "trained-$b" 90 "$work/trained-$b.txt" "$kiln" run "$work/trained" --backend "$b" --chat \
+        --prompt "What is 37+45?" --max-tokens 96 || true
+    done
+    cp "$work/trained-cuda.txt" "$out/trained-cuda.txt" 2>/dev/null
+    fig=$("$python" - "$work/trained-cuda.txt" "$work/trained-cpu.txt" <<'EOF'
+import json, sys
+def reply(path):  # stdout only: the speed line goes to stderr
+    try:
+        return open(path).read().strip()
+    except OSError:
+        return ""
+cuda, cpu = reply(sys.argv[1]), reply(sys.argv[2])
+print(json.dumps({"same_text_as_cpu": bool(cuda) and cuda == cpu, "answer_82": "82" in cuda.split("answer:")[-1]}))
+EOF
+)
+    ok=$("$python" -c 'import json,sys; d=json.loads(sys.argv[1]); print("ok" if d["same_text_as_cpu"] and d["answer_82"] else "fail")' "$fig")
+    record trained-demo "$ok" "$fig"
+  else
+    record trained-demo fail
+  fi
+fi
+
+# ---- GLM-5's own layer shapes: measured decode against `kiln inspect --perf` -----------------
+# The skeleton cut to its 3 dense + 2 MoE layers (21 GiB of zero weights, one GPU, TP 1): batch-1
+# decode at ~2k context, timed by `kiln run`, beside the model's prediction for the same plan at
+# 2k. Zero weights route every token to the same experts, which is what batch 1 does anyway.
+if [ "$double" = 0 ] && [ "$quick" = 0 ]; then
+  if run glm5-slice 60 "$kiln" synth glm5 --layers 5 -o "$work/g5-ckpt" &&
+     run glm5-slice 120 "$kiln" compile "$work/g5-ckpt" --target "$arch" --tp 1 --decode-batches 1 \
+       --prefill-chunk 512 --max-context 2048 -o "$work/g5" &&
+     run_to glm5-slice 30 "$work/g5-perf.json" "$kiln" inspect "$work/g5" --perf --json; then
+    prompt=$("$python" -c 'print(("the quick brown fox jumps over the lazy dog " * 50)[:1900])')
+    run glm5-slice 240 "$kiln" run "$work/g5" --backend cuda --prompt "$prompt" --max-tokens 128 > /dev/null
+    fig=$("$python" - "$work/g5-perf.json" "$out/glm5-slice.log" <<'EOF'
+import json, re, sys
+perf = json.load(open(sys.argv[1]))["perf"]
+predicted = next(r for r in perf["decode"] if r["batch"] == 1 and r["context"] == 2048)
+speeds = re.findall(r"([0-9.]+) tok/s decode", open(sys.argv[2], errors="replace").read())
+measured = float(speeds[-1]) if speeds else None
+print(json.dumps({
+    "layers": 5, "prompt_tokens": 1900, "generated": 128,
+    "measured_decode_tok_s": measured,
+    "measured_ms_per_token": 1000 / measured if measured else None,
+    "predicted_step_ms_at_2k": predicted["step_ms"],
+    "predicted_bytes_per_step": predicted["bytes_per_gpu"],
+    "measured_over_predicted_time": (1000 / measured) / predicted["step_ms"] if measured else None,
+}))
+EOF
+)
+    st=ok; case "$fig" in *'"measured_decode_tok_s": null'*|"") st=fail; fig=${fig:-"{}"} ;; esac
+    record glm5-slice "$st" "$fig"
+  else
+    record glm5-slice fail
+  fi
+fi
 
 # ---- serving: kiln serve --backend cuda + kiln bench ------------------------------------------
 port=$(( 20000 + RANDOM % 20000 ))

@@ -111,7 +111,12 @@ fn same_input_gives_byte_identical_artifacts() {
 /// Per-GPU weight bytes of GLM-5-NVFP4 at TP 8, counted by hand from the tensor table
 /// (glm5.md section 3/4) and kiln's sharding rules as documented, not from compiler code.
 fn glm5_expected_weight_bytes_tp8() -> u64 {
-    let (h, v, tp) = (6144u64, 154880u64, 8u64);
+    glm5_expected_weight_bytes(8, 78)
+}
+
+/// The same count for `tp` ranks and the first `layers` decoder layers (3 dense, then MoE).
+fn glm5_expected_weight_bytes(tp: u64, layers: u64) -> u64 {
+    let (h, v) = (6144u64, 154880u64);
     let bf16 = |n: u64| 2 * n;
     // NVFP4 [n, k] split over ranks: packed n*k/2 + scales n*k/16, bytes per rank.
     let fp4 = |n: u64, k: u64| n * k / 2 / tp + n * k / 16 / tp;
@@ -125,7 +130,65 @@ fn glm5_expected_weight_bytes_tp8() -> u64 {
     let dense = 2 * fp4(12288, h) + fp4(h, 12288) + scalars(2 * 3); // gate, up, down: scale_2 + input_scale each
     let expert = 2 * fp4(2048, h) + fp4(h, 2048) + scalars(2 * 3);
     let moe = bf16(256 * h) + 4 * 256 + 256 * expert + expert; // router + routed + shared
-    embed_and_head + 78 * (attention + indexer + norms) + 3 * dense + 75 * moe + bf16(h)
+    let dense_layers = layers.min(3);
+    embed_and_head + layers * (attention + indexer + norms) + dense_layers * dense + (layers - dense_layers) * moe + bf16(h)
+}
+
+/// `synth glm5 --layers 5`: GLM-5's own layer shapes cut to 3 dense + 2 MoE layers (what
+/// scripts/gpu-check.sh times on one GPU). The weight count is the hand count's for 5 layers at
+/// TP 1; the MTP layer follows the kept layers; the weights are holes (no disk), but the NVFP4
+/// per-tensor scalars hold values, because a zero `input_scale` would turn the zeros into NaN.
+#[test]
+fn glm5_slice_keeps_the_real_layer_shapes() {
+    let root = scratch("glm5-slice");
+    let ckpt = root.join("ckpt");
+    ok(&["synth", "glm5", "--layers", "5", "-o", s(&ckpt)]);
+    let config: Value = serde_json::from_str(&std::fs::read_to_string(ckpt.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["num_hidden_layers"], 5);
+    assert_eq!(config["hidden_size"], 6144, "the rest of the config is GLM-5's");
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    let mut names = Vec::new();
+    let (mut apparent, mut allocated) = (0u64, 0u64);
+    for entry in std::fs::read_dir(&ckpt).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            let file = std::fs::File::open(&path).unwrap();
+            let meta = file.metadata().unwrap();
+            (apparent, allocated) = (apparent + meta.len(), allocated + meta.blocks() * 512);
+            for (name, h) in read_header(&path).unwrap() {
+                let scalar = |name: &str| {
+                    let mut b = [0u8; 4];
+                    assert_eq!(h.data_end - h.data_start, 4, "{name} is a 4-byte scalar");
+                    file.read_exact_at(&mut b, h.data_start).unwrap();
+                    f32::from_le_bytes(b)
+                };
+                if name.ends_with(".input_scale") {
+                    let v = scalar(&name);
+                    assert!(v > 0.0 && v.is_finite(), "{name} = {v}");
+                } else if name.ends_with(".weight_scale_2") {
+                    assert_eq!(scalar(&name), 1.0, "{name}");
+                }
+                names.push(name);
+            }
+        }
+    }
+    // Reading 21 GiB of holes would take minutes: the file system's allocation says it instead.
+    assert!(apparent > 20 << 30, "5 GLM-5 layers, embeddings and MTP hold > 20 GiB: {apparent}");
+    assert!(allocated < 64 << 20, "the weights are holes: {allocated} bytes allocated on disk");
+    assert!(names.iter().any(|n| n.starts_with("model.layers.4.mlp.experts.255.")), "layer 4 is MoE");
+    assert!(names.iter().any(|n| n == "model.layers.5.eh_proj.weight"), "the MTP layer follows as layer 5");
+    assert!(!names.iter().any(|n| n.starts_with("model.layers.6.")), "nothing past the MTP layer");
+    assert!(ckpt.join("tokenizer.json").is_file(), "a stand-in tokenizer, so `kiln run` takes a prompt");
+
+    let art = root.join("plan");
+    ok(&["compile", s(&ckpt), "--target", "sm_90a", "--tp", "1", "--no-ptxas", "--max-context", "2048", "-o", s(&art)]);
+    let j = inspect_json(&art);
+    let by_kind: u64 = j["per_gpu"]["weight_bytes_by_kind"].as_array().unwrap().iter().map(|k| k["bytes"].as_u64().unwrap()).sum();
+    assert_eq!(by_kind, glm5_expected_weight_bytes(1, 5), "weight bytes of 3 dense + 2 MoE layers at TP 1");
+
+    fails(&["synth", "glm5", "--layers", "79", "-o", s(&root.join("x"))], &["--layers", "1..=78"]);
+    fails(&["synth", "tiny", "--layers", "2", "-o", s(&root.join("y"))], &["--layers cuts the glm5 skeleton"]);
+    let _ = std::fs::remove_dir_all(&root);
 }
 
 #[test]

@@ -29,6 +29,27 @@ pub struct SynthReport {
     pub data_bytes: u64,
 }
 
+/// The GLM-5 skeleton cut to its first `layers` decoder layers (the MTP layer follows them), with
+/// the byte-level stand-in tokenizer: the real per-layer shapes in a size one GPU holds, so the
+/// GLM-5 kernels can be run and timed (`scripts/gpu-check.sh`). Its weights are zeros.
+pub fn synth_glm5_slice(out: &Path, layers: usize) -> Result<SynthReport, CompileError> {
+    let mut spec = SynthSpec::from_config(GLM5_CONFIG, GLM5_QUANT_CONFIG)?;
+    if layers == 0 || layers > spec.layers {
+        return Err(CompileError::Option {
+            option: "--layers".into(),
+            message: format!("{layers}: GLM-5 has 1..={} decoder layers", spec.layers),
+        });
+    }
+    spec.layers = layers;
+    let mut config: serde_json::Value = serde_json::from_str(GLM5_CONFIG).expect("the shipped GLM-5 config is JSON");
+    config["num_hidden_layers"] = layers.into();
+    std::fs::create_dir_all(out).map_err(CompileError::io(out))?;
+    write::write_text(out, "config.json", &(serde_json::to_string_pretty(&config).expect("json") + "\n"))?;
+    write::write_text(out, "hf_quant_config.json", GLM5_QUANT_CONFIG)?;
+    tokenizer::write_tokenizer_files(out, &spec)?;
+    write::write_checkpoint(out, &spec, spec.layers + spec.mtp_layers + 2, &write::Values::Holes)
+}
+
 pub fn synth(preset: &str, out: &Path, seed: u64) -> Result<SynthReport, CompileError> {
     std::fs::create_dir_all(out).map_err(CompileError::io(out))?;
     match preset {

@@ -21,7 +21,9 @@ pub fn write_text(dir: &Path, name: &str, text: &str) -> Result<(), CompileError
 
 /// Where the tensors' values come from.
 pub enum Values<'a> {
-    /// Sparse holes: headers only (a full-size skeleton).
+    /// Sparse holes (a full-size skeleton), except the NVFP4 per-tensor scalars, which get real
+    /// values: a zero `input_scale` would make activation quantisation divide by zero, so a
+    /// skeleton runs (on zeros, without NaN) where a GPU has the memory.
     Holes,
     /// Deterministic random values per tensor name (`TensorInit`), with the spec's fixed input scale.
     Random { seed: u64 },
@@ -49,7 +51,7 @@ pub fn write_checkpoint(dir: &Path, spec: &SynthSpec, shards: usize, values: &Va
         let data: Vec<Option<Vec<u8>>> = members
             .iter()
             .map(|t| match values {
-                Values::Holes => Ok(None),
+                Values::Holes => Ok(hole_scalar(t, spec)),
                 Values::Random { seed } => Ok(Some(tensor_bytes(t, *seed, spec, &mut quantised))),
                 Values::Trained { source, input_amax } => trained_bytes(t, source, input_amax, &mut quantised).map(Some),
             })
@@ -125,6 +127,16 @@ fn trained_bytes(
         Nvfp4Part::Scale2 => scale_2.to_le_bytes().to_vec(),
         Nvfp4Part::InputScale => unreachable!("handled above"),
     })
+}
+
+/// A skeleton's one written value: the NVFP4 per-tensor scalars (`weight_scale_2` 1, `input_scale`
+/// the spec's).
+fn hole_scalar(t: &SynthTensor, spec: &SynthSpec) -> Option<Vec<u8>> {
+    match &t.init {
+        TensorInit::Nvfp4 { part: Nvfp4Part::Scale2, .. } => Some(1.0f32.to_le_bytes().to_vec()),
+        TensorInit::Nvfp4 { part: Nvfp4Part::InputScale, .. } => Some(spec.input_scale.to_le_bytes().to_vec()),
+        _ => None,
+    }
 }
 
 fn normal_values(seed: u64, name: &str, count: usize, std: f32) -> Vec<f32> {
