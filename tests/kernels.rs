@@ -52,6 +52,7 @@ fn nvfp4_case(c: &Nvfp4Case, arch: u32, seed: u64) -> (LaunchStats, u64, Vec<f32
         silu: c.silu as u32,
         tasks: tasks as u32,
         tasks_per_block: TASKS_PER_BLOCK,
+        unroll: 4,
         threads: THREADS,
         x_bf16: c.x_bf16 as u32,
         out_bf16: c.out_bf16 as u32,
@@ -62,6 +63,11 @@ fn nvfp4_case(c: &Nvfp4Case, arch: u32, seed: u64) -> (LaunchStats, u64, Vec<f32
     let narrow = LinearNvfp4GemvParams { tasks_per_block: MIN_TASKS_PER_BLOCK, ..params };
     let (_, got_narrow) = run_gemv(&narrow, &bytes(&x, c.x_bf16), &packed, &scales, &s2, &input_scale);
     assert_eq!(bits(&got_narrow), bits(&got), "sm_{arch}a: {MIN_TASKS_PER_BLOCK} columns per block differ from {TASKS_PER_BLOCK}");
+    // Loading 1 or 3 blocks ahead instead of 4 changes when loads are issued, never what is summed.
+    for unroll in [1, 3] {
+        let (_, got_unroll) = run_gemv(&LinearNvfp4GemvParams { unroll, ..params }, &bytes(&x, c.x_bf16), &packed, &scales, &s2, &input_scale);
+        assert_eq!(bits(&got_unroll), bits(&got), "sm_{arch}a: unroll {unroll} differs from 4");
+    }
     if k == 16 && !c.silu {
         // One block per row: both sides sum the same exact products once, so any difference
         // would be a different activation code or scale. The quantisation must match bit for bit.
@@ -115,7 +121,7 @@ fn nvfp4_gemv_quantises_edge_values_like_the_cpu() {
         let mut want = vec![0f32; m * n];
         reference::linear_nvfp4(&x, m, &packed, &scales, k, &[n], &[s2], &[input_scale], kiln_runtime::plan::Epilogue::None, false, &mut want);
         for arch in [120, 90] {
-            let params = LinearNvfp4GemvParams { arch, m: m as u32, n: n as u32, k: k as u32, n0: n as u32, parts: 1, silu: 0, tasks: n as u32, tasks_per_block: TASKS_PER_BLOCK, threads: THREADS, x_bf16: 0, out_bf16: 0 };
+            let params = LinearNvfp4GemvParams { arch, m: m as u32, n: n as u32, k: k as u32, n0: n as u32, parts: 1, silu: 0, tasks: n as u32, tasks_per_block: TASKS_PER_BLOCK, unroll: 4, threads: THREADS, x_bf16: 0, out_bf16: 0 };
             let (_, got) = run_gemv(&params, &bytes(&x, false), &packed, &scales, &[s2], &[input_scale]);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert!(g.to_bits() == w.to_bits(), "sm_{arch}a input_scale {input_scale}: row {} column {}: {g} vs the CPU's {w}", i / n, i % n);
@@ -191,8 +197,10 @@ fn bf16_gemv_matches_the_cpu_on_ragged_shapes() {
         let mut want = vec![0f32; m * n];
         reference::linear_bf16(&x, m, &wb, k, n, out_bf16, &mut want);
         let mut outputs = Vec::new();
-        for tasks_per_block in [TASKS_PER_BLOCK, MIN_TASKS_PER_BLOCK] {
-            let params = LinearBf16GemvParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, tasks_per_block, threads: THREADS, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32 };
+        // Columns per block and chunks loaded ahead (partial trips at these K) change the
+        // schedule, never the sums.
+        for (tasks_per_block, unroll) in [(TASKS_PER_BLOCK, 4), (MIN_TASKS_PER_BLOCK, 1), (MIN_TASKS_PER_BLOCK, 3)] {
+            let params = LinearBf16GemvParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, tasks_per_block, unroll, threads: THREADS, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32 };
             let module = Module::parse(&params.render().unwrap(), "linear_bf16_gemv.ptx").unwrap();
             let mut g = GlobalMemory::new();
             let bx = g.alloc_bytes("x", &bytes(&x, x_bf16));
@@ -201,10 +209,10 @@ fn bf16_gemv_matches_the_cpu_on_ragged_shapes() {
             let args: Vec<KernelArg> = [bx, bw, bo].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
             launch(&module, LinearBf16GemvParams::ENTRY, [(n as u32).div_ceil(tasks_per_block), 1, 1], [THREADS, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
             let got = floats(&g.read(bo), out_bf16);
-            check(&format!("bf16 gemv M={m} N={n} K={k} {tasks_per_block} columns per block"), out_bf16, &got, &want);
+            check(&format!("bf16 gemv M={m} N={n} K={k} {tasks_per_block} columns per block, {unroll} ahead"), out_bf16, &got, &want);
             outputs.push(bits(&got));
         }
-        assert_eq!(outputs[0], outputs[1], "bf16 gemv M={m} N={n} K={k}: the column count per block changed the numbers");
+        assert!(outputs.iter().all(|o| *o == outputs[0]), "bf16 gemv M={m} N={n} K={k}: the column count per block or the loads ahead changed the numbers");
     }
 }
 
@@ -381,7 +389,7 @@ fn run_router(x: &[f32], tokens: usize, h: usize, gate: &[u8], bias: &[f32], r: 
     let bx = g.alloc_bytes("x", &bytes(x, x_bf16));
     let bg = g.alloc_bytes("gate", gate);
     let bl = g.alloc("logits", tokens * r.experts * 4);
-    let product = LinearBf16GemvParams { arch: 120, m: tokens as u32, n: r.experts as u32, k: h as u32, tasks_per_block: MIN_TASKS_PER_BLOCK, threads: THREADS, x_bf16: x_bf16 as u32, out_bf16: 0 };
+    let product = LinearBf16GemvParams { arch: 120, m: tokens as u32, n: r.experts as u32, k: h as u32, tasks_per_block: MIN_TASKS_PER_BLOCK, unroll: 4, threads: THREADS, x_bf16: x_bf16 as u32, out_bf16: 0 };
     let module = Module::parse(&product.render().unwrap(), "linear_bf16_gemv.ptx").unwrap();
     let args: Vec<KernelArg> = [bx, bg, bl].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
     launch(&module, LinearBf16GemvParams::ENTRY, [(r.experts as u32).div_ceil(MIN_TASKS_PER_BLOCK), 1, 1], [THREADS, 1, 1], product.dynamic_smem().unwrap(), &args, &mut g).unwrap();

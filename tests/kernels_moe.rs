@@ -247,6 +247,7 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
         g: g1 as u32,
         cols: COLS,
         lanes: c.lanes.unwrap_or_else(|| lanes(sh.hidden)),
+        unroll: 4,
         mma: c.mma as u32,
         kc: mma_chunk(arch, sh.hidden) as u32,
         threads: THREADS,
@@ -262,6 +263,7 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
         g: g2 as u32,
         cols: COLS,
         lanes: c.lanes.unwrap_or_else(|| lanes(inter)),
+        unroll: 4,
         mma: mma_dn as u32,
         kc: mma_chunk(arch, inter) as u32,
         threads: THREADS,
@@ -293,27 +295,28 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
     let grid1 = [el as u32, (inter as u32).div_ceil(COLS), 1];
     let s1 = launch(&mg, MoeGateUpParams::ENTRY, grid1, [THREADS, 1, 1], pg.dynamic_smem().unwrap(), &args1, &mut g).unwrap();
     if !c.mma {
-        // Decode's narrower blocks (as `gate_up_cols` picks at batch 1: one column per warp)
-        // compute every column as the 64-wide ones do.
-        let narrow = MoeGateUpParams { cols: 8, ..pg };
+        // Decode's narrower blocks (as `gate_up_cols` picks at batch 1: one column per warp),
+        // loading one block ahead instead of four, compute every column as the 64-wide ones do.
+        let narrow = MoeGateUpParams { cols: 8, unroll: 1, ..pg };
         let mn = Module::parse(&narrow.render().unwrap(), "moe_gate_up.ptx").unwrap();
         let bmid8 = g.alloc("mid8", c.tokens * sh.top_k * inter * 2);
         let mut args8 = args1.clone();
         args8[7] = KernelArg::U64(g.addr(bmid8));
         launch(&mn, MoeGateUpParams::ENTRY, [el as u32, (inter as u32).div_ceil(8), 1], [THREADS, 1, 1], narrow.dynamic_smem().unwrap(), &args8, &mut g).unwrap();
-        assert!(g.read(bmid8) == g.read(bmid), "gate/up with 8 columns per block differs from {COLS}");
+        assert!(g.read(bmid8) == g.read(bmid), "gate/up with 8 columns per block, unroll 1, differs from {COLS}, unroll 4");
     }
     let s2 = launch(&md, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(COLS), 1, 1], [THREADS, 1, 1], pd.dynamic_smem().unwrap(), &args2, &mut g).unwrap();
     if !mma_dn {
-        // Decode's 32-column down blocks (`down_cols`) write the 64-column result bit for bit.
-        let narrow = MoeDownParams { cols: 32, ..pd };
+        // Decode's 32-column down blocks (`down_cols`), loading 3 blocks ahead, write the
+        // 64-column result bit for bit.
+        let narrow = MoeDownParams { cols: 32, unroll: 3, ..pd };
         let mn = Module::parse(&narrow.render().unwrap(), "moe_down.ptx").unwrap();
         let (bacc32, bout32) = (g.alloc("acc32", c.tokens * sh.hidden * 4), g.alloc("out32", c.tokens * sh.hidden * 2));
         let mut args32 = args2.clone();
         args32[8] = KernelArg::U64(g.addr(bacc32));
         args32[9] = KernelArg::U64(g.addr(bout32));
         launch(&mn, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(32), 1, 1], [THREADS, 1, 1], narrow.dynamic_smem().unwrap(), &args32, &mut g).unwrap();
-        assert!(g.read(bout32) == g.read(bout), "down with 32 columns per block differs from {COLS}");
+        assert!(g.read(bout32) == g.read(bout), "down with 32 columns per block, unroll 3, differs from {COLS}, unroll 4");
     }
     let got: Vec<f32> = g.read(bout).chunks_exact(2).map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
 
@@ -443,16 +446,16 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
             let g1 = if mma { 32 } else { group(tokens, hidden * 3 / 2) };
             let g2 = if mma { 32 } else { group(tokens, inter * 3 / 4) };
             let cols = gate_up_cols(&Experts::uniform(tokens, top_k, 256, experts), inter, hidden, 2, mma, &Constants::SM120A);
-            let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: THREADS, x_bf16: 1 };
-            let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: if mma { COLS } else { 32 } /* down_cols at GLM-5 decode sizes */, lanes: lanes(inter), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1 };
+            let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), unroll: 4, mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: THREADS, x_bf16: 1 };
+            let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: if mma { COLS } else { 32 } /* down_cols at GLM-5 decode sizes */, lanes: lanes(inter), unroll: 4, mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1 };
             out.push((format!("sm_{arch}a glm5 {mode} tokens={tokens} G={g1}/{g2} cols={cols} mma={mma}"), gu, dn));
         }
     }
     // and the tiny model's
     for (tokens, mma) in [(1usize, false), (17, false), (128, true)] {
         let g1 = if mma { 32 } else { group(tokens, 384) };
-        let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, k: 256, g: g1 as u32, cols: COLS, lanes: lanes(256), mma: mma as u32, kc: 256, threads: THREADS, x_bf16: 1 };
-        let dn = MoeDownParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, hidden: 256, g: if mma { 32 } else { group(tokens, 96) } as u32, cols: COLS, lanes: lanes(128), mma: mma as u32, kc: 128, threads: THREADS, w_bf16: 0, out_bf16: 1 };
+        let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, k: 256, g: g1 as u32, cols: COLS, lanes: lanes(256), unroll: 4, mma: mma as u32, kc: 256, threads: THREADS, x_bf16: 1 };
+        let dn = MoeDownParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, hidden: 256, g: if mma { 32 } else { group(tokens, 96) } as u32, cols: COLS, lanes: lanes(128), unroll: 4, mma: mma as u32, kc: 128, threads: THREADS, w_bf16: 0, out_bf16: 1 };
         out.push((format!("sm_{arch}a tiny tokens={tokens} mma={mma}"), gu, dn));
     }
     out

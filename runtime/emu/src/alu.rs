@@ -159,6 +159,9 @@ fn minmax<T: Float>(x: T, y: T, is_max: bool, nan: T) -> T {
 }
 
 pub fn float_op(op: FloatOp, ty: Ty, ftz: bool, sat: bool, a: u64, b: u64, c: u64) -> u64 {
+    if matches!(ty, Ty::F16 | Ty::F16x2) {
+        return super::half::half_op(op, ty, a, b, c);
+    }
     if ty == Ty::F64 {
         let (x, y, z) = (f64::from_bits(a), f64::from_bits(b), f64::from_bits(c));
         let r = match op {

@@ -16,8 +16,12 @@ pub fn arith(base: &str, m: &mut Mods, o: &[ROp], ctx: &DecodeCtx) -> R<Op> {
     let rn = m.has("rn");
     let ty = m.one_type()?;
     if ty.is_float() {
-        if !matches!(ty, Ty::F32 | Ty::F64) {
-            return Err(format!("{base}.{} (half-precision arithmetic) is not supported; only .f32/.f64", ty.name()));
+        if matches!(ty, Ty::F16 | Ty::F16x2) {
+            if !matches!(base, "add" | "sub" | "mul" | "fma") || ftz || sat {
+                return Err(format!("{base}.{}: half-precision arithmetic here is add/sub/mul/fma .rn without .ftz/.sat", ty.name()));
+            }
+        } else if !matches!(ty, Ty::F32 | Ty::F64) {
+            return Err(format!("{base}.{} is not supported; only .f32/.f64 and add/sub/mul/fma on .f16/.f16x2", ty.name()));
         }
         if lo || hi || wide {
             return Err("`.lo/.hi/.wide` do not apply to floating point".into());

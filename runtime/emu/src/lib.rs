@@ -18,7 +18,8 @@
 //! * integer: `add sub (.sat) mul/mad .lo/.hi/.wide div rem min max neg abs and or xor not cnot
 //!   shl shr popc clz brev prmt lop3`, predicate logic;
 //! * float (.f32/.f64): `add sub mul (.rn .ftz .sat) fma.rn mad.rn div (.rn .approx .full) min max
-//!   (.NaN) neg abs rcp sqrt (.rn .approx) rsqrt ex2 lg2 sin cos tanh (.approx)`;
+//!   (.NaN) neg abs rcp sqrt (.rn .approx) rsqrt ex2 lg2 sin cos tanh (.approx)`; half
+//!   (.f16/.f16x2): `add sub mul fma` `.rn` (subnormals kept; `.ftz`/`.sat` refused);
 //! * `setp` (all comparisons incl. unordered, `.and/.or/.xor`, `p|q`), `selp`;
 //! * `cvt`: integer widths (.sat), int→float .rn, float→int .rni/.rzi/.rmi/.rpi, f16/bf16/f32/f64,
 //!   `.rn.bf16x2/.f16x2.f32`, `.rn.satfinite{.relu}.{e4m3x2,e2m1x2}.f32` (a → high half),
@@ -58,6 +59,7 @@ mod decode_alu;
 mod decode_cvt;
 mod decode_mma;
 pub mod formats;
+mod half;
 pub mod ir;
 mod launch;
 mod lexer;

@@ -10,7 +10,7 @@
 //! FP4 mma m16n8k64 with e4m3 block scales on sm_120a, f16 mma m16n8k16 over the decoded
 //! (exact) values on sm_90a.
 
-use super::{candidate_us, float_flag, numel, of_grid, width, Cx, Instance, THREADS};
+use super::{candidate_us, float_flag, numel, of_grid, width, Cx, Instance, loads_ahead, THREADS};
 use crate::kernels::{MoeDownArgs, MoeDownParams, MoeGateUpArgs, MoeGateUpParams, Ptr};
 use kiln_runtime::perf::{uniform_experts, Constants, Experts};
 use kiln_runtime::plan::{DType, LaunchArg, LinearWeights, Op};
@@ -184,6 +184,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         g: g1 as u32,
         cols: gu_cols,
         lanes: lanes(h),
+        unroll: if mma { 1 } else { loads_ahead(g1) },
         mma: mma as u32,
         kc: kc as u32,
         threads: THREADS,
@@ -220,6 +221,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         g: g2n as u32,
         cols: dn_cols,
         lanes: lanes(inter),
+        unroll: if mma_dn { 1 } else { loads_ahead(g2n) },
         mma: mma_dn as u32,
         kc: kc_dn as u32,
         threads: THREADS,
