@@ -229,6 +229,21 @@ EOF
 )
     st=ok; case "$fig" in *'"measured_decode_tok_s": null'*|"") st=fail; fig=${fig:-"{}"} ;; esac
     record glm5-slice "$st" "$fig"
+    # Per-kernel times of one of those decode steps, where Nsight Compute is installed
+    # (decode-kernels.txt; the clocks are left alone). Its exit status is not used: under ncu
+    # kiln has been seen to abort at exit after finishing.
+    ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    if [ -n "$ncu_bin" ]; then
+      run kernel-times 240 "$ncu_bin" --clock-control none --metrics gpu__time_duration.sum,dram__bytes.sum \
+        --csv --log-file "$out/ncu-decode.csv" "$kiln" run "$work/g5" --backend cuda --prompt "$prompt" --max-tokens 3
+      if "$python" scripts/ncu_decode_step.py "$out/ncu-decode.csv" --json "$work/kernels.json" > "$out/decode-kernels.txt" 2>> "$out/kernel-times.log"; then
+        record kernel-times ok "$("$python" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({k: d[k] for k in ("step_kernel_ms", "launches", "dram_bytes")}))' "$work/kernels.json")"
+      else
+        record kernel-times fail
+      fi
+    else
+      record kernel-times skipped
+    fi
   else
     record glm5-slice fail
   fi

@@ -44,6 +44,7 @@ fn params(heads: usize, dim: usize, rope: usize, page: usize, pps: usize, topk: 
         threads: THREADS,
         q_bf16: q_bf16 as u32,
         w_bf16: w_bf16 as u32,
+        mode: 0,
     }
 }
 
@@ -168,11 +169,28 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, u64) {
     let bk = g.alloc_bytes("kv", &cache.layer_bytes(0));
     let br = g.alloc_f32("rope", &table);
     let bo = g.alloc("out", n_tok * c.topk * 4);
-    let mut args: Vec<KernelArg> = [bq, bw, bp, bs, bt, bk, br, bo].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+    // decode's score scratch, filled with a pattern no score takes: a position the select reads
+    // without the score launch having written it would show
+    let positions_per_seq = pps * c.page;
+    let bsc = g.alloc_bytes("scores", &vec![0x5Au8; n_tok * positions_per_seq * 4]);
+    let mut args: Vec<KernelArg> = [bq, bw, bp, bs, bt, bk, br, bo, bsc].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
     args.push(KernelArg::F32((c.heads as f32).powf(-0.5)));
     args.push(KernelArg::F32((c.dim as f32).powf(-0.5)));
     let stats = launch(&module, IndexerTopkParams::ENTRY, [n_tok as u32, 1, 1], [THREADS, 1, 1], smem, &args, &mut g).unwrap();
     let got: Vec<i32> = g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    // Decode's split: scores over a grid of 1, 3 or one block per tile per token (each block
+    // looping over its tiles), then the selection alone: the same lists, bit for bit.
+    let tiles = positions_per_seq.div_ceil(THREADS as usize) as u32;
+    for blocks_y in [1, 3.min(tiles), tiles] {
+        let (score, select) = (IndexerTopkParams { mode: 1, ..p }, IndexerTopkParams { mode: 2, ..p });
+        let ms = Module::parse(&score.render().unwrap(), "indexer_topk.ptx").unwrap();
+        let mt = Module::parse(&select.render().unwrap(), "indexer_topk.ptx").unwrap();
+        g.write(bo, 0, &vec![0u8; n_tok * c.topk * 4]);
+        launch(&ms, IndexerTopkParams::ENTRY, [n_tok as u32, blocks_y, 1], [THREADS, 1, 1], score.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+        launch(&mt, IndexerTopkParams::ENTRY, [n_tok as u32, 1, 1], [THREADS, 1, 1], select.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+        let split: Vec<i32> = g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        assert!(split == got, "top-{}: scoring on {blocks_y} block(s) per token, then selecting, differs from the fused kernel", c.topk);
+    }
     for t in 0..n_tok {
         let (a, b) = (&got[t * c.topk..(t + 1) * c.topk], &want[t * c.topk..(t + 1) * c.topk]);
         assert_eq!(a, b, "token {t} (seq {}, position {}), top-{}: emulator vs CPU", c.tokens[t].0, c.tokens[t].1, c.topk);
@@ -375,8 +393,9 @@ fn tiny_and_glm5_instances_assemble_for_sm_120a() {
 }
 
 /// The lowering, end to end: the tiny model compiled for sm_120a; for a decode and a prefill
-/// program, the first indexer top-k step's launch (its kernel, grid, block, shared memory and
-/// arguments exactly as planned) runs on the emulator over random inputs and matches the CPU.
+/// program, the first indexer top-k step's launches (prefill: one; decode: scores, then the
+/// selection; kernels, grids, blocks, shared memory and arguments exactly as planned) run on the
+/// emulator over random inputs and match the CPU.
 #[test]
 fn the_planned_launches_of_the_tiny_model_match_the_cpu() {
     use kiln_runtime::plan::{read_plan, KernelFamily, LaunchArg, Op, ProgramKind};
@@ -391,7 +410,10 @@ fn the_planned_launches_of_the_tiny_model_match_the_cpu() {
     kiln(&["compile", ckpt.to_str().unwrap(), "--target", "sm_120a", "--no-ptxas", "-o", art.to_str().unwrap()]);
     let plan = read_plan(&art).unwrap();
     // (a step without a kernel fails the compile)
-    assert!(plan.programs.iter().flat_map(|p| &p.steps).filter(|s| s.kernel == KernelFamily::IndexerTopK).all(|s| s.launches.len() == 1));
+    for p in &plan.programs {
+        let launches = if matches!(p.kind, ProgramKind::Decode { .. }) { 2 } else { 1 };
+        assert!(p.steps.iter().filter(|s| s.kernel == KernelFamily::IndexerTopK).all(|s| s.launches.len() == launches), "{}", p.name);
+    }
     let rope = Rope::new(plan.model.qk_rope_head_dim, plan.model.rope_theta);
     let mut checked = 0;
     for (pi, program) in plan.programs.iter().enumerate() {
@@ -403,11 +425,9 @@ fn the_planned_launches_of_the_tiny_model_match_the_cpu() {
             continue;
         }
         let step = program.steps.iter().find(|s| matches!(s.op, Op::IndexerTopK { .. })).expect("an indexer step");
-        let Op::IndexerTopK { q, head_weights, layer, topk, out } = step.op else { unreachable!() };
-        assert_eq!(step.launches.len(), 1);
-        let l = &step.launches[0];
-        let k = &plan.kernels[l.kernel.0 as usize];
-        assert_eq!((k.family, l.grid, l.block), (KernelFamily::IndexerTopK, [program.tokens as u32, 1, 1], [THREADS, 1, 1]));
+        let Op::IndexerTopK { q, head_weights, layer, topk, scores, out } = step.op else { unreachable!() };
+        let select = step.launches.last().unwrap();
+        assert_eq!((select.grid, select.block), ([program.tokens as u32, 1, 1], [THREADS, 1, 1]));
 
         let (t, seqs) = (program.tokens, program.seqs);
         let heads = plan.model.index_n_heads;
@@ -448,27 +468,33 @@ fn the_planned_launches_of_the_tiny_model_match_the_cpu() {
         let bk = g.alloc_bytes("kv", &cache.layer_bytes(0));
         let br = g.alloc_f32("rope", &rope.table(kv.max_context));
         let bo = g.alloc("out", t * topk * 4);
+        let bsc = g.alloc("scores", program.buffer(scores).bytes.max(4) as usize);
         let ins = &program.inputs;
-        let args: Vec<KernelArg> = l
-            .args
-            .iter()
-            .map(|a| match *a {
-                LaunchArg::Buffer(b) if b == q => KernelArg::U64(g.addr(bq)),
-                LaunchArg::Buffer(b) if b == head_weights => KernelArg::U64(g.addr(bw)),
-                LaunchArg::Buffer(b) if b == ins.positions => KernelArg::U64(g.addr(bp)),
-                LaunchArg::Buffer(b) if b == ins.token_seq => KernelArg::U64(g.addr(bs)),
-                LaunchArg::Buffer(b) if b == ins.page_table => KernelArg::U64(g.addr(bt)),
-                LaunchArg::Buffer(b) if b == out => KernelArg::U64(g.addr(bo)),
-                LaunchArg::KvCache { layer: la } if la as usize == layer => KernelArg::U64(g.addr(bk)),
-                LaunchArg::RopeTable => KernelArg::U64(g.addr(br)),
-                LaunchArg::F32(v) => KernelArg::F32(v),
-                ref other => panic!("unexpected argument {other:?} of {}", k.name),
-            })
-            .collect();
-        let module = Module::parse(&k.ptx, &k.name).unwrap();
-        launch(&module, &k.entry, l.grid, l.block, l.smem_dynamic, &args, &mut g).unwrap();
+        for l in &step.launches {
+            let k = &plan.kernels[l.kernel.0 as usize];
+            assert_eq!(k.family, KernelFamily::IndexerTopK);
+            let args: Vec<KernelArg> = l
+                .args
+                .iter()
+                .map(|a| match *a {
+                    LaunchArg::Buffer(b) if b == q => KernelArg::U64(g.addr(bq)),
+                    LaunchArg::Buffer(b) if b == head_weights => KernelArg::U64(g.addr(bw)),
+                    LaunchArg::Buffer(b) if b == ins.positions => KernelArg::U64(g.addr(bp)),
+                    LaunchArg::Buffer(b) if b == ins.token_seq => KernelArg::U64(g.addr(bs)),
+                    LaunchArg::Buffer(b) if b == ins.page_table => KernelArg::U64(g.addr(bt)),
+                    LaunchArg::Buffer(b) if b == out => KernelArg::U64(g.addr(bo)),
+                    LaunchArg::Buffer(b) if b == scores => KernelArg::U64(g.addr(bsc)),
+                    LaunchArg::KvCache { layer: la } if la as usize == layer => KernelArg::U64(g.addr(bk)),
+                    LaunchArg::RopeTable => KernelArg::U64(g.addr(br)),
+                    LaunchArg::F32(v) => KernelArg::F32(v),
+                    ref other => panic!("unexpected argument {other:?} of {}", k.name),
+                })
+                .collect();
+            let module = Module::parse(&k.ptx, &k.name).unwrap();
+            launch(&module, &k.entry, l.grid, l.block, l.smem_dynamic, &args, &mut g).unwrap();
+        }
         let got: Vec<i32> = g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-        assert_eq!(got, want, "{} ({}): planned launch vs CPU", program.name, k.name);
+        assert_eq!(got, want, "{}: planned launches vs CPU", program.name);
         eprintln!("{}: planned indexer top-{topk} launch over {t} tokens identical to the CPU", program.name);
         checked += 1;
     }

@@ -16,7 +16,7 @@
 mod common;
 
 use kiln_compiler::kernels::{MoeDownParams, MoeGateUpParams};
-use kiln_compiler::passes::lower::{gate_up_cols, SMEM_LIMIT, THREADS};
+use kiln_compiler::passes::lower::{gate_up_cols, loads_ahead, SMEM_LIMIT, THREADS};
 use kiln_runtime::cpu::reference::{self, Nvfp4Stack};
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, Module};
 use kiln_runtime::perf::{Constants, Experts};
@@ -446,16 +446,18 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
             let g1 = if mma { 32 } else { group(tokens, hidden * 3 / 2) };
             let g2 = if mma { 32 } else { group(tokens, inter * 3 / 4) };
             let cols = gate_up_cols(&Experts::uniform(tokens, top_k, 256, experts), inter, hidden, 2, mma, &Constants::SM120A);
-            let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), unroll: 4, mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: THREADS, x_bf16: 1 };
-            let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: if mma { COLS } else { 32 } /* down_cols at GLM-5 decode sizes */, lanes: lanes(inter), unroll: 4, mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1 };
+            // loads ahead as the lowering picks them (four at G <= 4 would spill at larger G)
+            let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), unroll: loads_ahead(g1), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: THREADS, x_bf16: 1 };
+            let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: if mma { COLS } else { 32 } /* down_cols at GLM-5 decode sizes */, lanes: lanes(inter), unroll: loads_ahead(g2), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1 };
             out.push((format!("sm_{arch}a glm5 {mode} tokens={tokens} G={g1}/{g2} cols={cols} mma={mma}"), gu, dn));
         }
     }
     // and the tiny model's
     for (tokens, mma) in [(1usize, false), (17, false), (128, true)] {
         let g1 = if mma { 32 } else { group(tokens, 384) };
-        let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, k: 256, g: g1 as u32, cols: COLS, lanes: lanes(256), unroll: 4, mma: mma as u32, kc: 256, threads: THREADS, x_bf16: 1 };
-        let dn = MoeDownParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, hidden: 256, g: if mma { 32 } else { group(tokens, 96) } as u32, cols: COLS, lanes: lanes(128), unroll: 4, mma: mma as u32, kc: 128, threads: THREADS, w_bf16: 0, out_bf16: 1 };
+        let g2 = if mma { 32 } else { group(tokens, 96) };
+        let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, k: 256, g: g1 as u32, cols: COLS, lanes: lanes(256), unroll: loads_ahead(g1), mma: mma as u32, kc: 256, threads: THREADS, x_bf16: 1 };
+        let dn = MoeDownParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, hidden: 256, g: g2 as u32, cols: COLS, lanes: lanes(128), unroll: loads_ahead(g2), mma: mma as u32, kc: 128, threads: THREADS, w_bf16: 0, out_bf16: 1 };
         out.push((format!("sm_{arch}a tiny tokens={tokens} mma={mma}"), gu, dn));
     }
     out

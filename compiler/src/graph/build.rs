@@ -178,7 +178,10 @@ impl<'a> Builder<'a> {
         }
         self.linear(x, &[wp], c.index_n_heads, h, ikind, ShardRole::Replicated, Epilogue::None, iw)?;
         let topk = self.tokens(format!("l{l}.topk"), DType::I32, c.index_topk);
-        self.push(Op::IndexerTopK { q: iq, head_weights: iw, layer: l, topk: c.index_topk, out: topk }, KernelFamily::IndexerTopK);
+        // decode scores every cached position in a separate launch (see Op::IndexerTopK)
+        let page = Dim::Fixed(crate::passes::memory::KV_PAGE_SIZE);
+        let scores = self.value(format!("l{l}.index_scores"), DType::F32, vec![Dim::ScoreRows, Dim::PagesPerSeq, page]);
+        self.push(Op::IndexerTopK { q: iq, head_weights: iw, layer: l, topk: c.index_topk, scores, out: topk }, KernelFamily::IndexerTopK);
 
         let kvb = format!("{p}.kv_b_proj");
         if self.bind.ckpt.quant.is_nvfp4(&kvb) {

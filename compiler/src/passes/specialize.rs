@@ -38,6 +38,7 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
         Dim::Seqs => bucket.seqs,
         Dim::LogitRows => bucket.logit_rows,
         Dim::PagesPerSeq => bucket.pages_per_seq,
+        Dim::ScoreRows => if matches!(bucket.kind, ProgramKind::Decode { .. }) { bucket.tokens } else { 0 },
         Dim::Fixed(n) => n,
     };
     let buffers = graph

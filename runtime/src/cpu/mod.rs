@@ -656,7 +656,7 @@ impl Rank {
                 let (w, b) = (&self.small[w.0 as usize], &self.small[bias.0 as usize]);
                 indexer::key_write(&self.f[k.0 as usize][..n(k)], w, b, eps, &tk, &mut self.kv, layer, cx.rope);
             }
-            Op::IndexerTopK { q, head_weights, layer, topk, out } => {
+            Op::IndexerTopK { q, head_weights, layer, topk, out, .. } => {
                 let mut o = std::mem::take(&mut self.i[out.0 as usize]);
                 let heads = width(p, head_weights);
                 let tk = tokens_in(&self.i, cx);

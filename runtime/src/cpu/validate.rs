@@ -133,11 +133,15 @@ fn check_op(plan: &Plan, p: &Program, op: &Op) -> Result<(), String> {
             vector(norm, kv.index_dim)?;
             vector(bias, kv.index_dim)
         }
-        Op::IndexerTopK { q, head_weights, layer: l, topk, out } => {
+        Op::IndexerTopK { q, head_weights, layer: l, topk, scores, out } => {
             layer(l)?;
             let heads = width(p, head_weights);
             float(head_weights, t * heads)?;
             float(q, t * heads * kv.index_dim)?;
+            // scratch: empty (prefill) or a score per token and cached position (decode)
+            if p.buffer(scores).bytes != 0 {
+                float(scores, t * kv.pages_per_seq * kv.page_size)?;
+            }
             int(out, t * topk)
         }
         Op::MlaAttention { q, kv_b, topk, layer: l, heads, out, .. } => {

@@ -250,22 +250,41 @@ pub fn launch_cost(plan: &Plan, step: &Step, li: usize, load: &Load) -> Result<C
     Ok(c)
 }
 
-/// One block per token: tokens that see more than TOPK positions score every cached indexer key
-/// on the CUDA cores (the whole context); the others, and padding, only write their list.
+/// MODE 0: one block per token: tokens that see more than TOPK positions score every cached
+/// indexer key on the CUDA cores (the whole context); the others, and padding, only write their
+/// list. MODE 1 (decode): the scoring alone, grid.y blocks per token looping over its tiles of
+/// THREADS positions, each block with a tile staging the token's q and weights, every position's
+/// score written. MODE 2: the selection alone, reading those scores.
 fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), String> {
     let (heads, dim, rope, topk, page) = (p.v("HEADS")?, p.v("DIM")?, p.v("ROPE")?, p.v("TOPK")?, p.v("PAGE")?);
+    let mode = p.v("MODE")?;
     let rows = l.grid[0] as f64;
+    let tiles = l.grid[1] as f64;
     let threads = l.block[0] as f64;
-    // every thread loads the token's token_seq and position
-    c.read(Class::Aux, 8.0 * rows, threads);
-    c.write(rows * topk * 4.0);
-    let scoring = load.tokens.sum(|n| if n > topk { 1.0 } else { 0.0 });
+    // the token's token_seq and position: every thread loads them, in MODE 1 thread 0 per block
+    c.read(Class::Aux, 8.0 * rows, if mode == 1.0 { tiles } else { threads });
     let positions = load.tokens.sum(|n| if n > topk { n } else { 0.0 });
+    if mode == 2.0 {
+        c.write(rows * topk * 4.0);
+        c.read(Class::Activations, positions * 4.0, 1.0);
+        return Ok(());
+    }
+    if mode == 0.0 {
+        c.write(rows * topk * 4.0);
+    } else {
+        c.write(positions * 4.0);
+    }
+    // blocks that stage q and the head weights
+    let staging = load.tokens.sum(|n| if n <= topk { 0.0 } else if mode == 1.0 { (n / threads).ceil().min(tiles) } else { 1.0 });
+    if mode == 1.0 {
+        // blocks without a tile exit at once
+        c.blocks = staging.max(1.0);
+    }
     let pages = load.tokens.sum(|n| if n > topk { (n / page).ceil() } else { 0.0 });
     // q: each element loads its (even, odd) pair; the rope elements their (cos, sin)
-    c.read(Class::Activations, scoring * heads * dim * p.size("Q_BF16")?, 2.0);
-    c.read(Class::Aux, scoring * rope * 4.0, 2.0 * heads);
-    c.read(Class::Activations, scoring * heads * p.size("W_BF16")?, 1.0);
+    c.read(Class::Activations, staging * heads * dim * p.size("Q_BF16")?, 2.0);
+    c.read(Class::Aux, staging * rope * 4.0, 2.0 * heads);
+    c.read(Class::Activations, staging * heads * p.size("W_BF16")?, 1.0);
     // per position: its page-table entry and its key
     c.read(Class::Aux, pages * 4.0, if pages > 0.0 { positions / pages } else { 0.0 });
     c.read(Class::Kv, positions * dim * 2.0, 1.0);

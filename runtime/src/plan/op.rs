@@ -34,7 +34,9 @@ pub enum Op {
     /// DSA lightning indexer: score every cached position `t <= pos` of the token's sequence with
     /// `sum_h w[h]/sqrt(H) * relu(q_h . k_t)/sqrt(d)` and keep the `topk` best (ties: lower position
     /// first); unused slots are -1. `q` is pre-RoPE; RoPE is applied to its first rope-dim values.
-    IndexerTopK { q: BufId, head_weights: BufId, layer: usize, topk: usize, out: BufId },
+    /// `scores` `[tokens, positions]` F32 is kernel scratch: decode programs score in one launch
+    /// over many blocks and select in a second; it is empty in prefill programs (one launch).
+    IndexerTopK { q: BufId, head_weights: BufId, layer: usize, topk: usize, scores: BufId, out: BufId },
     /// MLA attention for this rank's heads over the cached latents selected by `topk`
     /// (all causal positions when `topk` is None). `q` rows are `[heads, nope | rope]` (pre-RoPE),
     /// `kv_b` the rank's `[heads * (nope + v), kv_lora_rank]` slice; output `[heads * v]`.
@@ -157,7 +159,6 @@ impl Op {
         match self {
             Op::Embed { out, .. }
             | Op::Linear { out, .. }
-            | Op::IndexerTopK { out, .. }
             | Op::MlaAttention { out, .. }
             | Op::Add { out, .. }
             | Op::GatherRows { out, .. }
@@ -165,6 +166,7 @@ impl Op {
             Op::RmsNorm { residual, out, .. } => std::iter::once(*out).chain(*residual).collect(),
             Op::MoeExperts { out, mid, acc, .. } => vec![*out, *mid, *acc],
             Op::Router { logits, ids, weights, .. } => vec![*logits, *ids, *weights],
+            Op::IndexerTopK { scores, out, .. } => vec![*scores, *out],
             Op::AllReduce { buf } => vec![*buf],
             Op::MlaKvWrite { .. } | Op::IndexerKeyWrite { .. } => vec![],
         }
@@ -181,6 +183,7 @@ impl Op {
         match self {
             Op::MoeExperts { mid, acc, .. } => vec![*mid, *acc],
             Op::Router { logits, .. } => vec![*logits],
+            Op::IndexerTopK { scores, .. } => vec![*scores],
             _ => vec![],
         }
     }

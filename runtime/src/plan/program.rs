@@ -16,6 +16,8 @@ pub enum Dim {
     LogitRows,
     /// Cache pages a sequence may hold.
     PagesPerSeq,
+    /// Tokens whose indexer scores go to scratch: the decode batch; 0 in prefill programs.
+    ScoreRows,
     Fixed(usize),
 }
 

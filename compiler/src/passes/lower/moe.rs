@@ -253,7 +253,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
 #[cfg(test)]
 mod tests {
     use super::{decode_group, down_cols, gate_up_cols};
-    use kiln_runtime::perf::{uniform_experts, Constants, Experts};
+    use kiln_runtime::perf::{Constants, Experts};
 
     #[test]
     fn decode_down_halves_its_blocks_when_they_leave_sms_idle() {
