@@ -204,7 +204,8 @@ fi
 # The skeleton cut to its 3 dense + 2 MoE layers (21 GiB of zero weights, one GPU, TP 1): batch-1
 # decode at ~2k and ~8k context (the indexer scores every cached key past 2,048), timed by
 # `kiln run`, beside the model's prediction for the same plan at 2k and 8k, and the weight
-# upload's rate. Zero weights route every token to the same experts, as batch 1 does anyway.
+# upload's rate through write-combined (2k run) and cached (8k run) pinned staging. Zero weights
+# route every token to the same experts, as batch 1 does anyway.
 if [ "$double" = 0 ] && [ "$quick" = 0 ]; then
   if run glm5-slice 60 "$kiln" synth glm5 --layers 5 -o "$work/g5-ckpt" &&
      run glm5-slice 120 "$kiln" compile "$work/g5-ckpt" --target "$arch" --tp 1 --decode-batches 1 \
@@ -213,7 +214,7 @@ if [ "$double" = 0 ] && [ "$quick" = 0 ]; then
     prompt=$("$python" -c 'print(("the quick brown fox jumps over the lazy dog " * 50)[:1900])')
     prompt8k=$("$python" -c 'print(("the quick brown fox jumps over the lazy dog " * 200)[:7900])')
     run glm5-slice-2k 240 "$kiln" run "$work/g5" --backend cuda --prompt "$prompt" --max-tokens 128 > /dev/null
-    run glm5-slice-8k 240 "$kiln" run "$work/g5" --backend cuda --prompt "$prompt8k" --max-tokens 128 > /dev/null
+    run glm5-slice-8k 240 env KILN_UPLOAD_STAGING=cached "$kiln" run "$work/g5" --backend cuda --prompt "$prompt8k" --max-tokens 128 > /dev/null
     fig=$("$python" - "$work/g5-perf.json" "$out/glm5-slice-2k.log" "$out/glm5-slice-8k.log" <<'EOF'
 import json, re, sys
 perf = json.load(open(sys.argv[1]))["perf"]
@@ -231,8 +232,9 @@ for context, path in ((2048, sys.argv[2]), (8192, sys.argv[3])):
     figures[f"measured_decode_tok_s_{k}"] = measured
     figures[f"predicted_step_ms_{k}"] = predicted["step_ms"]
     figures[f"measured_over_predicted_time_{k}"] = (1000 / measured) / predicted["step_ms"] if measured else None
-upload = re.search(r"weights uploaded: .*?\(([0-9.]+) GB/s\)", log(sys.argv[2]))
-figures["upload_gb_s"] = float(upload.group(1)) if upload else None
+for staging, path in (("write_combined", sys.argv[2]), ("cached", sys.argv[3])):
+    upload = re.search(r"weights uploaded: .*?\(([0-9.]+) GB/s", log(path))
+    figures[f"upload_gb_s_{staging}"] = float(upload.group(1)) if upload else None
 print(json.dumps(figures))
 EOF
 )

@@ -109,6 +109,33 @@ fn cuda_equals_the_emulator_bit_for_bit_at_tp1_and_tp2_prefill_and_decode() {
     }
 }
 
+/// `KILN_UPLOAD_STAGING=cached` uploads the weights through cached instead of write-combined
+/// pinned staging (for GPU checks in VMs): the same weights, so the same logits; the log names
+/// the staging; any other value is refused before any GPU work, naming the variable.
+#[test]
+fn upload_staging_is_chosen_by_the_environment() {
+    let dir = scratch("staging");
+    let art = dir.join("tp1");
+    compile(&golden_ckpt(), 1, &["--prefill-chunk", "32", "--decode-batches", "1", "--max-context", "64"], &art);
+    let mut outputs = Vec::new();
+    for staging in ["write-combined", "cached"] {
+        let out = dir.join(format!("{staging}.safetensors"));
+        let mut c = kiln_cuda(&[("KILN_UPLOAD_STAGING", staging)]);
+        c.arg("logits").arg(&art).args(["--ids", "1,2,3,4,5", "--backend", "cuda", "--out"]).arg(&out);
+        let o = run_ok(c, &format!("kiln logits with {staging} staging"));
+        let log = String::from_utf8_lossy(&o.stderr);
+        assert!(log.contains(&format!("GB/s, {staging} staging)")), "{log}");
+        outputs.push(std::fs::read(&out).unwrap());
+    }
+    assert_same("cached against write-combined staging", &outputs[1], &outputs[0]);
+    let mut c = kiln_cuda(&[("KILN_UPLOAD_STAGING", "uncached")]);
+    c.arg("logits").arg(&art).args(["--ids", "1", "--backend", "cuda", "--out"]).arg(dir.join("x.safetensors"));
+    let o = c.output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("KILN_UPLOAD_STAGING") && err.contains("\"uncached\"") && !err.contains("panicked"), "{err}");
+    assert!(!err.contains("the CUDA backend has stopped"), "a setting is not a GPU failure: {err}");
+}
+
 #[test]
 fn cuda_equals_the_emulator_at_tp8() {
     let dir = scratch("tp8");

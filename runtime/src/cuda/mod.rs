@@ -145,6 +145,8 @@ impl CudaBackend {
         }
         let started = Instant::now();
         let machine = hardware::check(&plan)?;
+        // a bad KILN_UPLOAD_STAGING is the user's setting, refused before any GPU work
+        resources::upload_staging()?;
         if plan.ranks() > 1 {
             hardware::require_nccl()?;
         }
@@ -193,14 +195,15 @@ impl CudaBackend {
         let r = &mut backend.report;
         r.jit_kernels = jit.len();
         eprintln!(
-            "kiln cuda: {} GPU(s) ({}), driver CUDA {}.{}; weights uploaded: {} in {:.2} s ({:.2} GB/s)",
+            "kiln cuda: {} GPU(s) ({}), driver CUDA {}.{}; weights uploaded: {} in {:.2} s ({:.2} GB/s, {} staging)",
             ranks,
             machine.gpus.first().map(|g| g.name.as_str()).unwrap_or("?"),
             machine.driver_version / 1000,
             machine.driver_version % 1000 / 10,
             human(r.weight_bytes),
             r.upload.as_secs_f64(),
-            r.upload_gbps()
+            r.upload_gbps(),
+            resources::upload_staging().map(|s| s.1).unwrap_or("?")
         );
         for (rank, (allocated, free)) in r.memory.iter().enumerate() {
             let note = if *free < backend.plan.memory.headroom { " — less than the plan's headroom: NCCL and graphs may run out of memory" } else { "" };

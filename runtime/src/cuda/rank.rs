@@ -4,7 +4,7 @@
 //! the NCCL communicator and one CUDA graph per program.
 
 use super::hardware::{cu, gpu_error};
-use super::resources::{Context, DeviceBuffer, Event, Graph, Module, Pinned, Stream, WRITE_COMBINED};
+use super::resources::{upload_staging, Context, DeviceBuffer, Event, Graph, Module, Pinned, Stream, WRITE_COMBINED};
 use crate::bind::{fill_slot_region, CheckpointFiles};
 use crate::error::RuntimeError;
 use crate::plan::{DType, KernelInfo, Launch, LaunchArg, Op, Plan, Program};
@@ -93,8 +93,9 @@ impl RankDevice {
     /// arena. Returns the bytes uploaded.
     pub fn upload_weights(&mut self, plan: &Plan, files: &CheckpointFiles, bar: &indicatif::ProgressBar) -> Result<u64, RuntimeError> {
         let stage_len = STAGE_BYTES.min(plan.memory.weights.max(1) as usize);
+        let (flags, _) = upload_staging()?;
         let mut stager = Stager {
-            stages: [Pinned::new(stage_len, WRITE_COMBINED)?, Pinned::new(stage_len, WRITE_COMBINED)?],
+            stages: [Pinned::new(stage_len, flags)?, Pinned::new(stage_len, flags)?],
             events: [Event::new()?, Event::new()?],
             in_flight: [false, false],
             current: 0,
