@@ -3,9 +3,11 @@
 # sm_120a, H200 / sm_90a), in minutes:
 #   kiln doctor -> synthesise + compile the demo model and the golden tiny models for the GPU's
 #   arch -> kiln verify --backend cuda (step by step against the CPU) -> kiln logits cuda vs cpu
-#   (prefill and --decode, rel-L2 per row) -> kiln serve --backend cuda + kiln bench at several
-#   concurrencies -> decode tok/s of cuda and cpu in the same run; graph build time and weight
-#   upload GB/s from the backend's log.
+#   (prefill and --decode, rel-L2 per row) -> the trained demo model writes the CPU's reply ->
+#   GLM-5's own layer shapes (`synth glm5 --layers 5`, TP 1) decoded at ~2k and ~8k context
+#   against `kiln inspect --perf`, per-kernel times under ncu where installed -> kiln serve
+#   --backend cuda + kiln bench at several concurrencies -> decode tok/s of cuda and cpu in the
+#   same run; graph build time and weight upload GB/s from the backend's log.
 #
 # Usage: scripts/gpu-check.sh [--quick]
 #   KILN_BIN=/path/to/kiln   a prebuilt (stripped) kiln; without it the script builds one (needs cargo)
