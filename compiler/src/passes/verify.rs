@@ -126,10 +126,14 @@ fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -
         }
         Op::MlaKvWrite { kv, .. } => expect("kv", shape(*kv), &[rows(*kv), cfg.kv_lora_rank + cfg.qk_rope_head_dim])?,
         Op::IndexerKeyWrite { k, .. } => expect("k", shape(*k), &[rows(*k), cfg.index_head_dim])?,
-        Op::IndexerTopK { q, head_weights, out, topk, .. } => {
+        Op::IndexerTopK { q, head_weights, out, topk, scores, .. } => {
             expect("q", shape(*q), &[rows(*q), cfg.index_n_heads * cfg.index_head_dim])?;
             expect("head weights", shape(*head_weights), &[rows(*q), cfg.index_n_heads])?;
             expect("out", shape(*out), &[rows(*q), *topk])?;
+            // decode's scratch: a score per token and position a sequence's pages hold; prefill's is empty
+            let pages = shape(p.inputs.page_table)[1];
+            let score_rows = if rows(*scores) == 0 { 0 } else { rows(*q) };
+            expect("scores", shape(*scores), &[score_rows, pages, crate::passes::memory::KV_PAGE_SIZE])?;
         }
         Op::Router { input, logits, ids, weights, params, .. } => {
             expect("logits", shape(*logits), &[rows(*input), params.experts])?;

@@ -146,7 +146,7 @@ impl CudaBackend {
         let started = Instant::now();
         let machine = hardware::check(&plan)?;
         // a bad KILN_UPLOAD_STAGING is the user's setting, refused before any GPU work
-        resources::upload_staging()?;
+        let (_, staging) = resources::upload_staging()?;
         if plan.ranks() > 1 {
             hardware::require_nccl()?;
         }
@@ -203,7 +203,7 @@ impl CudaBackend {
             human(r.weight_bytes),
             r.upload.as_secs_f64(),
             r.upload_gbps(),
-            resources::upload_staging().map(|s| s.1).unwrap_or("?")
+            staging
         );
         for (rank, (allocated, free)) in r.memory.iter().enumerate() {
             let note = if *free < backend.plan.memory.headroom { " — less than the plan's headroom: NCCL and graphs may run out of memory" } else { "" };

@@ -5,9 +5,10 @@
 //! 128-column blocks (`grid.x`: consecutive blocks share an activation tile in L2), K streamed
 //! through a ring of cp.async stages. Decode-sized M uses the split-K forms: small blocks whose 8
 //! warps share out K and add their partial sums in warp order, so even a 256-row projection gets
-//! dozens of blocks (NVFP4 up to M = 32; BF16 up to 64 where the byte model prefers them). NVFP4 gets one launch per part (each part quantises the
-//! activations with its own `input_scale`), or one launch for SiLU-mul, whose blocks take gate
-//! rows and the matching up rows.
+//! dozens of blocks (NVFP4 up to M = 32; BF16 up to 64 where the byte model prefers them).
+//! NVFP4 gets one launch per part (each part quantises the activations with its own
+//! `input_scale`), or one launch for SiLU-mul, whose blocks take gate rows and the matching up
+//! rows.
 
 use super::{candidate_us, fits, float_flag, numel, of_grid, Cx, Instance, THREADS};
 use crate::kernels::{LinearBf16GemmArgs, LinearBf16GemmParams, LinearNvfp4GemmArgs, LinearNvfp4GemmParams, Ptr};

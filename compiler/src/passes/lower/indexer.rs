@@ -77,13 +77,11 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         head_scale: (heads as f32).powf(-0.5),
         dim_scale: (dim as f32).powf(-0.5),
     };
-    let positions = kv.pages_per_seq * kv.page_size;
+    // (the shape verifier has checked `scores`: empty, or a score per token and position)
     if p.buffer(scores).bytes == 0 {
         return Ok(vec![of(&params, tokens as u32, args.launch_args())]);
     }
-    if numel(p, scores) != tokens * positions {
-        return Err(format!("indexer scores of {} values for {tokens} tokens x {positions} positions", numel(p, scores)));
-    }
+    let positions = kv.pages_per_seq * kv.page_size;
     // Blocks per token: enough for two per SM over the batch, never more than the tiles of the
     // longest context; each loops over its tiles (the grid is fixed at graph capture, the context
     // is not, and blocks past a short context only exit).

@@ -10,7 +10,7 @@
 //! FP4 mma m16n8k64 with e4m3 block scales on sm_120a, f16 mma m16n8k16 over the decoded
 //! (exact) values on sm_90a.
 
-use super::{candidate_us, float_flag, numel, of_grid, width, Cx, Instance, loads_ahead, THREADS};
+use super::{candidate_us, float_flag, loads_ahead, numel, of_grid, width, Cx, Instance, THREADS};
 use crate::kernels::{MoeDownArgs, MoeDownParams, MoeGateUpArgs, MoeGateUpParams, Ptr};
 use kiln_runtime::perf::{uniform_experts, Constants, Experts};
 use kiln_runtime::plan::{DType, LaunchArg, LinearWeights, Op};
