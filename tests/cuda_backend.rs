@@ -103,10 +103,47 @@ fn cuda_equals_the_emulator_bit_for_bit_at_tp1_and_tp2_prefill_and_decode() {
             let (cuda, log) = logits(&art, "cuda", ids, decode, &dir.join(format!("cuda{tp}{decode}.safetensors")));
             let (emu, _) = logits(&art, "emu", ids, decode, &dir.join(format!("emu{tp}{decode}.safetensors")));
             assert_same(&format!("TP {tp}, {}", if decode { "decode" } else { "prefill" }), &cuda, &emu);
-            // Start-up reports what it measured.
+            // Start-up reports what it measured, and at TP 2 that the all-reduces use the P2P
+            // kernel (the double's peers pass the probe)
             assert!(log.contains("GB/s") && log.contains("CUDA graphs") && log.contains("allocated as planned"), "{log}");
+            assert_eq!(log.contains("all-reduces up to 64 KiB: the one-shot P2P kernel (all 2 GPU pairs passed"), tp == 2, "{log}");
         }
     }
+}
+
+/// Small all-reduces take the one-shot P2P kernel only where every GPU pair passes the peer
+/// write-and-verify probe: with `KILN_P2P=off`, or on a fabric that grants peer access but drops
+/// the writes (`KILN_DOUBLE_P2P=drop`), or without peer capability, they stay on NCCL, and every
+/// way gives the same logits (rank-order sums on all paths); a bad `KILN_P2P` is refused.
+#[test]
+fn p2p_all_reduce_only_where_the_peers_pass_the_probe() {
+    let dir = scratch("p2p");
+    let art = dir.join("tp2");
+    compile(&golden_ckpt(), 2, &["--prefill-chunk", "32", "--decode-batches", "1", "--max-context", "64"], &art);
+    let ids = "5,42,7,300,12,9";
+    let mut outputs = Vec::new();
+    for (env, want) in [
+        (vec![], "the one-shot P2P kernel (all 2 GPU pairs passed the peer write-and-verify probe)"),
+        (vec![("KILN_P2P", "off")], "NCCL (KILN_P2P=off)"),
+        (vec![("KILN_DOUBLE_P2P", "drop")], "NCCL (GPU 0 -> GPU 1: Lost"),
+        (vec![("KILN_DOUBLE_P2P", "off")], "NCCL (GPU 0 -> GPU 1: Unsupported"),
+    ] {
+        let out = dir.join(format!("{}.safetensors", outputs.len()));
+        let mut c = kiln_cuda(&env);
+        c.arg("logits").arg(&art).args(["--ids", ids, "--decode", "--backend", "cuda", "--out"]).arg(&out);
+        let o = run_ok(c, &format!("kiln logits with {env:?}"));
+        let log = String::from_utf8_lossy(&o.stderr);
+        assert!(log.contains(&format!("all-reduces up to 64 KiB: {want}")), "{env:?}: {log}");
+        outputs.push(std::fs::read(&out).unwrap());
+    }
+    for (i, o) in outputs.iter().enumerate().skip(1) {
+        assert_same(&format!("path {i} against the P2P kernel"), o, &outputs[0]);
+    }
+    let mut c = kiln_cuda(&[("KILN_P2P", "nvlink")]);
+    c.arg("logits").arg(&art).args(["--ids", "1", "--backend", "cuda", "--out"]).arg(dir.join("x.safetensors"));
+    let o = c.output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("KILN_P2P") && err.contains("\"nvlink\"") && !err.contains("panicked"), "{err}");
 }
 
 /// `KILN_UPLOAD_STAGING=cached` uploads the weights through cached instead of write-combined
@@ -150,7 +187,7 @@ fn cuda_equals_the_emulator_at_tp8() {
     let (cuda, log) = logits(&art, "cuda", "3,1,4,1", false, &dir.join("cuda.safetensors"));
     let (emu, _) = logits(&art, "emu", "3,1,4,1", false, &dir.join("emu.safetensors"));
     assert_same("TP 8 prefill", &cuda, &emu);
-    assert!(log.contains("8 GPU(s)"), "{log}");
+    assert!(log.contains("8 GPU(s)") && log.contains("the one-shot P2P kernel (all 56 GPU pairs passed"), "{log}");
 }
 
 #[test]

@@ -2,18 +2,21 @@
 //! its kernel launches on simulated GPUs, one [`GlobalMemory`] per rank holding the weights arena,
 //! one workspace in which every program buffer sits at the offset the memory plan gave it (so a
 //! liveness mistake of the planner corrupts values here as it would on a GPU), the KV cache and
-//! the RoPE table. The collectives are summed or gathered on the host in fixed rank order, as the
-//! CPU backend does. Behind `--backend emu` of `kiln logits`, `run` and `serve`.
+//! the RoPE table. An all-reduce the plan gives a one-shot P2P launch runs that kernel on every
+//! rank at once (a thread each, every rank addressing the others' memories, each its own address
+//! range as unified addressing gives); the other collectives are summed or gathered on the host
+//! in fixed rank order, as the CPU backend does. Behind `--backend emu` of `kiln logits`, `run`
+//! and `serve`.
 //!
 //! Nothing here computes model math: every value comes out of emitted PTX.
 
 use crate::bind::Arena;
 use crate::cpu::rope::Rope;
 use crate::cpu::Inputs;
-use crate::emu::{self, BufferId, GlobalMemory, KernelArg, Module};
+use crate::emu::{self, BufferId, GlobalMemory, KernelArg, Module, GLOBAL_BASE};
 use crate::error::RuntimeError;
 use crate::numerics::{bytes_floats, float_bytes};
-use crate::plan::{BufId, DType, LaunchArg, Op, Plan, Program};
+use crate::plan::{BufId, DType, LaunchArg, Op, P2pLayout, Plan, Program};
 
 /// One simulated GPU.
 struct Device {
@@ -25,6 +28,8 @@ struct Device {
     /// One buffer per KV-cache layer (the GPU layout of `KvLayout`).
     kv: Vec<BufferId>,
     rope: BufferId,
+    /// The P2P all-reduce region (plans whose all-reduces have a P2P launch).
+    p2p: Option<BufferId>,
 }
 
 pub struct EmuBackend {
@@ -62,18 +67,29 @@ impl EmuBackend {
         let kv = &plan.memory.kv;
         let rope = Rope::plan_table_bytes(&plan);
         let workspace = plan.memory.workspace.max(4) as usize;
-        let devices = arenas
+        let p2p = plan.ranks() > 1 && plan.programs.iter().flat_map(|p| &p.steps).any(|s| matches!(s.op, Op::AllReduce { .. }) && !s.launches.is_empty());
+        let layout = P2pLayout { ranks: plan.ranks() as u64 };
+        let mut devices: Vec<Device> = arenas
             .into_iter()
             .enumerate()
             .map(|(rank, arena)| {
-                let mut mem = GlobalMemory::new();
+                // one address range per GPU (1 TiB apart), so peers' addresses never collide
+                let mut mem = GlobalMemory::with_base(GLOBAL_BASE + ((rank as u64 + 1) << 40));
                 let arena = mem.alloc_bytes("weights", &arena);
                 let workspace = mem.alloc("workspace", workspace);
                 let kv = (0..kv.layers).map(|l| mem.alloc(&format!("kv_cache.layer{l}"), kv.layer_bytes() as usize)).collect();
                 let rope = mem.alloc_bytes("rope_table", &rope);
-                Device { rank, mem, arena, workspace, kv, rope }
+                let p2p = p2p.then(|| mem.alloc("p2p_region", layout.bytes() as usize));
+                Device { rank, mem, arena, workspace, kv, rope, p2p }
             })
             .collect();
+        // every region starts with the table of all ranks' regions
+        let table: Vec<u8> = devices.iter().filter_map(|d| d.p2p.map(|r| d.mem.addr(r))).flat_map(|a| a.to_le_bytes()).collect();
+        for d in &mut devices {
+            if let Some(r) = d.p2p {
+                d.mem.write(r, 0, &table);
+            }
+        }
         Ok(EmuBackend { plan, modules, devices, logits: Vec::new() })
     }
 
@@ -95,6 +111,26 @@ impl EmuBackend {
         for (s, step) in program.steps.iter().enumerate() {
             let at = |m: String| internal(format!("{} step {s} ({}): {m}", program.name, step.op.name()));
             match step.op {
+                Op::AllReduce { .. } if !step.launches.is_empty() && self.devices.len() > 1 => {
+                    let l = &step.launches[0];
+                    let kernel = plan.kernel(l.kernel);
+                    let module = &self.modules[l.kernel.0 as usize];
+                    let devices = &self.devices;
+                    let results: Vec<Result<(), String>> = std::thread::scope(|sc| {
+                        let handles: Vec<_> = devices
+                            .iter()
+                            .map(|d| {
+                                sc.spawn(move || {
+                                    let args = l.args.iter().map(|a| d.arg(plan, program, *a)).collect::<Result<Vec<_>, String>>()?;
+                                    let peers: Vec<&GlobalMemory> = devices.iter().filter(|o| o.rank != d.rank).map(|o| &o.mem).collect();
+                                    emu::launch_with_peers(module, &kernel.entry, l.grid, l.block, l.smem_dynamic, &args, &d.mem, &peers).map(|_| ()).map_err(|e| format!("{} on rank {}: {e}", kernel.name, d.rank))
+                                })
+                            })
+                            .collect();
+                        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a rank's thread panicked".into()))).collect()
+                    });
+                    results.into_iter().collect::<Result<Vec<()>, String>>().map_err(at)?;
+                }
                 Op::AllReduce { buf } => all_reduce(&mut self.devices, program, buf),
                 Op::AllGather { input, out } => all_gather(&mut self.devices, program, input, out).map_err(at)?,
                 _ => {
@@ -124,6 +160,7 @@ impl Device {
                 KernelArg::U64(self.mem.addr(*id))
             }
             LaunchArg::RopeTable => KernelArg::U64(self.mem.addr(self.rope)),
+            LaunchArg::P2pRegion => KernelArg::U64(self.mem.addr(self.p2p.ok_or("no P2P region on this device")?)),
             LaunchArg::U32(v) => KernelArg::U32(v),
             LaunchArg::F32(v) => KernelArg::F32(v),
             LaunchArg::PerRank(v) => KernelArg::U32(LaunchArg::per_rank(v, self.rank).ok_or_else(|| format!("rank {} x {v} overflows a u32", self.rank))?),

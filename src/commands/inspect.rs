@@ -253,7 +253,7 @@ fn perf_text(out: &mut String, r: &perf::Report) -> std::fmt::Result {
     writeln!(out, "    NCCL            all-reduce {} µs + bytes / {} GB/s (all-gather: the same over the gathered bytes)   --nccl-base-us --nccl-gbps", k.nccl_base_us, k.nccl_gbps)?;
     writeln!(
         out,
-        "    P2P all-reduce  {} µs + (ranks - 1) x bytes / {} GB/s, up to {} KiB; not built yet: the p2p columns   --p2p-base-us --p2p-gbps --p2p-max-kib",
+        "    P2P all-reduce  {} µs + (ranks - 1) x bytes / {} GB/s, up to {} KiB, where the plan has the kernel: the p2p columns   --p2p-base-us --p2p-gbps --p2p-max-kib",
         k.p2p_base_us,
         k.p2p_gbps,
         k.p2p_max_bytes / 1024

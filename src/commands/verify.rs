@@ -2,7 +2,7 @@ use anyhow::{bail, Context};
 use kiln_runtime::cpu::{StepPhase, StepView};
 use kiln_runtime::cuda::step::StepRunner;
 use kiln_runtime::emu::Module;
-use kiln_runtime::plan::{BufId, DType, LaunchArg, Op, Plan, ProgramKind};
+use kiln_runtime::plan::{BufId, DType, KernelFamily, LaunchArg, Op, Plan, ProgramKind};
 use kiln_runtime::session::{LogitRows, Session, SessionOptions};
 use kiln_runtime::verify::{bf16_roundings, compare_cache, compare_outputs, emulate, Comparison, StepInputs, Values};
 use std::collections::HashMap;
@@ -64,7 +64,7 @@ fn replay(session: &mut Session, plan: &Plan, index: usize) -> anyhow::Result<Ve
     // Per launched step: the buffers its launch passes (before) and writes (after).
     let mut watch: HashMap<usize, (Vec<BufId>, Vec<BufId>, Vec<u32>)> = HashMap::new();
     for (s, step) in p.steps.iter().enumerate() {
-        if !step.launches.is_empty() {
+        if !step.launches.is_empty() && step.kernel != KernelFamily::Collective {
             let mut args: Vec<BufId> = step.launches.iter().flat_map(|l| &l.args).filter_map(|a| if let LaunchArg::Buffer(b) = a { Some(*b) } else { None }).collect();
             if let Op::MoeExperts { ids, .. } = step.op {
                 // The MoE byte report needs the routing and which tokens are real.
@@ -205,8 +205,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         println!("\nprogram {} ({} tokens, {} steps)", p.name, p.tokens, p.steps.len());
         println!("  {:>4}  {:<18}{:<14}{:>11}{:>11}  {:<6}{}", "step", "op", "kernel", "max abs", "max rel", "", "global bytes read / compulsory");
         for (s, step) in p.steps.iter().enumerate() {
-            if step.launches.is_empty() {
-                continue; // a collective: the host sums in rank order on both sides
+            if step.launches.is_empty() || step.kernel == KernelFamily::Collective {
+                continue; // a collective: the host sums in rank order on both sides (the P2P
+                          // all-reduce kernel needs every rank at once: the emulator backend runs it)
             }
             for l in step.launches.iter().filter(|_| gpu.is_none()) {
                 if !modules.contains_key(&l.kernel.0) {

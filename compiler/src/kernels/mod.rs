@@ -6,13 +6,15 @@ pub mod template;
 use kiln_runtime::plan::{BufId, KernelFamily, LaunchArg, WeightId};
 
 /// A pointer argument: a program buffer, a weight slot, one layer of the KV cache (GPU byte
-/// layout of `KvLayout`) or the RoPE table (`KvLayout::rope_table_bytes`).
+/// layout of `KvLayout`), the RoPE table (`KvLayout::rope_table_bytes`) or the rank's P2P
+/// all-reduce region (`P2pLayout`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ptr {
     Buffer(BufId),
     Weight(WeightId),
     KvCache(u32),
     RopeTable,
+    P2pRegion,
 }
 
 impl From<Ptr> for LaunchArg {
@@ -22,6 +24,7 @@ impl From<Ptr> for LaunchArg {
             Ptr::Weight(w) => LaunchArg::Weight(w),
             Ptr::KvCache(layer) => LaunchArg::KvCache { layer },
             Ptr::RopeTable => LaunchArg::RopeTable,
+            Ptr::P2pRegion => LaunchArg::P2pRegion,
         }
     }
 }

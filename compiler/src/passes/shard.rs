@@ -54,9 +54,11 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism) -> Result<S
                 }
                 _ => {}
             },
-            Op::MlaAttention { heads, out, .. } => {
+            Op::MlaAttention { heads, out, absorbed, partials, .. } => {
                 *heads /= tp;
-                divide_last(&mut graph.values[out.0 as usize].dims, tp);
+                for b in [out, absorbed, partials] {
+                    divide_last(&mut graph.values[b.0 as usize].dims, tp);
+                }
             }
             Op::MoeExperts { experts_local, expert_parallel, intermediate, mid, .. } => {
                 match par.moe {

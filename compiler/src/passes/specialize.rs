@@ -2,7 +2,7 @@
 //! every dimension fixed, so each program can be captured as one CUDA graph.
 
 use crate::graph::Graph;
-use kiln_runtime::plan::{AttentionForm, BufId, Buffer, Dim, Op, Program, ProgramInputs, ProgramKind};
+use kiln_runtime::plan::{attention_splits_cap, AttentionForm, BufId, Buffer, Dim, Op, Program, ProgramInputs, ProgramKind};
 
 /// The concrete sizes of one bucket.
 #[derive(Debug, Clone, Copy)]
@@ -39,6 +39,7 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
         Dim::LogitRows => bucket.logit_rows,
         Dim::PagesPerSeq => bucket.pages_per_seq,
         Dim::ScoreRows => if matches!(bucket.kind, ProgramKind::Decode { .. }) { bucket.tokens } else { 0 },
+        Dim::AttentionSplits => if matches!(bucket.kind, ProgramKind::Decode { .. }) { attention_splits_cap(bucket.tokens) } else { 0 },
         Dim::Fixed(n) => n,
     };
     let buffers = graph

@@ -96,10 +96,16 @@ fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -
                 return Err("input/output/ids rows disagree".into());
             }
         }
-        Op::MlaAttention { q, kv_b, topk, heads, out, .. } => {
+        Op::MlaAttention { q, kv_b, topk, heads, out, absorbed, partials, .. } => {
             expect("q", shape(*q), &[rows(*q), heads * cfg.qk_head_dim()])?;
             expect("kv_b", slot(*kv_b), &[heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank])?;
             expect("out", shape(*out), &[rows(*q), heads * cfg.v_head_dim])?;
+            // split-KV decode's scratch (empty in prefill): absorbed q, then each split's state
+            let latent = cfg.kv_lora_rank;
+            let split_rows = if rows(*absorbed) == 0 { 0 } else { rows(*q) };
+            expect("absorbed", shape(*absorbed), &[split_rows, heads * latent])?;
+            let splits = if split_rows == 0 { 0 } else { kiln_runtime::plan::attention_splits_cap(rows(*q)) };
+            expect("partials", shape(*partials), &[split_rows, splits, heads * (latent + 4)])?;
             if let Some(t) = topk {
                 expect("topk", shape(*t), &[rows(*q), cfg.index_topk])?;
             }

@@ -340,7 +340,13 @@ impl Driver {
                     return Ok(());
                 }
                 let mem = self.devices[d].memory.read().unwrap_or_else(|p| p.into_inner());
-                match kiln_emu::launch_params(&func.module.ptx, &func.entry, *grid, *block, *smem, params, &mem) {
+                // Kernels address the memory of the devices this context enabled peer access
+                // to (a P2P fabric that drops writes maps none: such accesses fault here, where
+                // real hardware would lose them)
+                let peer_ids: Vec<usize> = if self.config.p2p == crate::config::P2p::Ok { self.devices[d].peers.lock().unwrap_or_else(|p| p.into_inner()).clone() } else { Vec::new() };
+                let peer_guards: Vec<_> = peer_ids.iter().map(|&p| self.devices[p].memory.read().unwrap_or_else(|p| p.into_inner())).collect();
+                let peers: Vec<&GlobalMemory> = peer_guards.iter().map(|g| &**g).collect();
+                match kiln_emu::launch_params_with_peers(&func.module.ptx, &func.entry, *grid, *block, *smem, params, &mem, &peers) {
                     Ok(stats) => {
                         if self.config.profile {
                             let mut p = self.profile.lock().unwrap_or_else(|p| p.into_inner());
@@ -352,10 +358,14 @@ impl Driver {
                     Err(e @ EmuError::Exec { .. }) => {
                         let text = e.to_string();
                         let code = if text.contains("aligned") { MISALIGNED_ADDRESS } else if text.contains("address") || text.contains("buffer") { ILLEGAL_ADDRESS } else { LAUNCH_FAILED };
+                        drop(peers);
+                        drop(peer_guards);
                         drop(mem);
                         self.fault(d, code, &format!("kernel {} faulted: {text}", func.entry));
                     }
                     Err(e) => {
+                        drop(peers);
+                        drop(peer_guards);
                         drop(mem);
                         self.fault(d, LAUNCH_FAILED, &format!("kernel {} failed to launch: {e}", func.entry));
                     }

@@ -37,7 +37,7 @@ impl Warp {
         match space {
             Space::Global => {
                 bm.ctr.global_bytes_read += size;
-                lc.global.load(addr, size)
+                lc.memory(addr).load(addr, size)
             }
             Space::Shared => {
                 bm.ctr.shared_bytes_read += size;
@@ -63,7 +63,7 @@ impl Warp {
         match space {
             Space::Global => {
                 bm.ctr.global_bytes_written += size;
-                lc.global.store(addr, size, v)
+                lc.memory(addr).store(addr, size, v)
             }
             Space::Shared => {
                 bm.ctr.shared_bytes_written += size;
@@ -84,7 +84,7 @@ impl Warp {
             Space::Global => {
                 bm.ctr.global_bytes_read += size;
                 bm.ctr.global_bytes_written += size;
-                lc.global.rmw(addr, size, &|old| alu::atom_apply(op, ty, old, b, c, true))
+                lc.memory(addr).rmw(addr, size, &|old| alu::atom_apply(op, ty, old, b, c, true))
             }
             Space::Shared => {
                 bm.ctr.shared_bytes_read += size;

@@ -271,6 +271,15 @@ pub fn decode(raw: &RawInst, ctx: &DecodeCtx) -> Result<Inst, String> {
             count(o, 0)?;
             Op::Fence
         }
+        "nanosleep" => {
+            // a hint: the emulator yields the host thread (spin-waits on another GPU's flags)
+            if !m.has("u32") {
+                return Err("nanosleep needs .u32".into());
+            }
+            count(o, 1)?;
+            ctx.src(&o[0], Ty::U32)?;
+            Op::Nanosleep
+        }
         "fence" => {
             m.one_of(&["sc", "acq_rel"]).ok_or("fence needs .sc or .acq_rel")?;
             m.one_of(&["cta", "gpu", "sys", "cluster"]).ok_or("fence needs a scope")?;

@@ -493,6 +493,8 @@ pub enum Op {
     },
     /// `membar` / `fence`: a sequentially consistent fence.
     Fence,
+    /// `nanosleep`: yields the host thread.
+    Nanosleep,
     Shfl {
         mode: ShflMode,
         d: Operand,

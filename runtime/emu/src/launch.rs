@@ -81,6 +81,12 @@ impl LaunchStats {
 /// `smem_bytes` is the dynamic shared memory of the launch (for `.extern .shared` arrays).
 /// Pointers to `global` buffers are passed as `KernelArg::U64(global.addr(id))`.
 pub fn launch(module: &Module, entry: &str, grid: [u32; 3], block: [u32; 3], smem_bytes: u32, args: &[KernelArg], global: &GlobalMemory) -> Result<LaunchStats, EmuError> {
+    launch_with_peers(module, entry, grid, block, smem_bytes, args, global, &[])
+}
+
+/// [`launch`] on a GPU that may also address `peers`' memories (see [`launch_params_with_peers`]).
+#[allow(clippy::too_many_arguments)]
+pub fn launch_with_peers(module: &Module, entry: &str, grid: [u32; 3], block: [u32; 3], smem_bytes: u32, args: &[KernelArg], global: &GlobalMemory, peers: &[&GlobalMemory]) -> Result<LaunchStats, EmuError> {
     let e = module.entry(entry)?;
     let bad = |m: String| Err(EmuError::Launch(format!("launch of '{entry}': {m}")));
     if args.len() != e.params.len() {
@@ -95,12 +101,20 @@ pub fn launch(module: &Module, entry: &str, grid: [u32; 3], block: [u32; 3], sme
         }
         params[p.offset..p.offset + p.size].copy_from_slice(&b);
     }
-    launch_params(module, entry, grid, block, smem_bytes, &params, global)
+    launch_params_with_peers(module, entry, grid, block, smem_bytes, &params, global, peers)
 }
 
 /// [`launch`] with the `.param` space already marshalled (`params`: the entry's `param_bytes`,
 /// each parameter at its `Param::offset`), as a driver receives it.
 pub fn launch_params(module: &Module, entry: &str, grid: [u32; 3], block: [u32; 3], smem_bytes: u32, params: &[u8], global: &GlobalMemory) -> Result<LaunchStats, EmuError> {
+    launch_params_with_peers(module, entry, grid, block, smem_bytes, params, global, &[])
+}
+
+/// [`launch_params`] on a GPU that may also address `peers`' memories (peer access enabled).
+/// A one-block grid runs on the calling thread, not the shared block pool: kernels of several
+/// GPUs that wait on each other's flags then all make progress, as on separate devices.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_params_with_peers(module: &Module, entry: &str, grid: [u32; 3], block: [u32; 3], smem_bytes: u32, params: &[u8], global: &GlobalMemory, peers: &[&GlobalMemory]) -> Result<LaunchStats, EmuError> {
     let e = module.entry(entry)?;
     let bad = |m: String| Err(EmuError::Launch(format!("launch of '{entry}': {m}")));
     if params.len() != e.param_bytes {
@@ -131,16 +145,14 @@ pub fn launch_params(module: &Module, entry: &str, grid: [u32; 3], block: [u32; 
         return bad(format!("{smem_total} B of shared memory per block ({} static + {smem_bytes} dynamic) exceeds the SM120 limit of {MAX_SHARED_PER_BLOCK} B", e.shared_static));
     }
     let geo = Geometry { grid, block, smem_dynamic: smem_bytes, smem_total: smem_total as u32 };
-    let lc = LaunchCtx { entry: e, global, params, geo };
+    let lc = LaunchCtx { entry: e, global, peers, params, geo };
     let nblocks = grid[0] as u64 * grid[1] as u64 * grid[2] as u64;
     let start = Instant::now();
-    let results: Vec<Result<Counters, EmuError>> = (0..nblocks)
-        .into_par_iter()
-        .map(|b| {
-            let ctaid = [(b % grid[0] as u64) as u32, ((b / grid[0] as u64) % grid[1] as u64) as u32, (b / (grid[0] as u64 * grid[1] as u64)) as u32];
-            run_block(&lc, ctaid)
-        })
-        .collect();
+    let block_of = |b: u64| {
+        let ctaid = [(b % grid[0] as u64) as u32, ((b / grid[0] as u64) % grid[1] as u64) as u32, (b / (grid[0] as u64 * grid[1] as u64)) as u32];
+        run_block(&lc, ctaid)
+    };
+    let results: Vec<Result<Counters, EmuError>> = if nblocks == 1 { vec![block_of(0)] } else { (0..nblocks).into_par_iter().map(block_of).collect() };
     let elapsed = start.elapsed();
     let mut counters = Counters::default();
     for r in results {

@@ -72,7 +72,7 @@ pub mod versions;
 mod warp;
 
 pub use convert::{f16_to_f32, f32_to_f16};
-pub use launch::{launch, launch_params, KernelArg, LaunchStats, MAX_SHARED_PER_BLOCK, MAX_THREADS_PER_BLOCK};
+pub use launch::{launch, launch_params, launch_params_with_peers, launch_with_peers, KernelArg, LaunchStats, MAX_SHARED_PER_BLOCK, MAX_THREADS_PER_BLOCK};
 pub use memory::{BufferId, GlobalMemory, GLOBAL_BASE, SHARED_WINDOW};
 pub use parser::{Entry, Module, Param};
 pub use warp::Counters;

@@ -24,8 +24,21 @@ pub const MAX_WARP_INSTRUCTIONS_PER_BLOCK: u64 = 1 << 32;
 pub struct LaunchCtx<'a> {
     pub entry: &'a Entry,
     pub global: &'a GlobalMemory,
+    /// Other GPUs' memories this one may address (peer access enabled), as over NVLink / PCIe.
+    pub peers: &'a [&'a GlobalMemory],
     pub params: &'a [u8],
     pub geo: Geometry,
+}
+
+impl LaunchCtx<'_> {
+    /// The memory holding `addr`: this GPU's, else the peer's that has a buffer there (an
+    /// address in neither faults in this GPU's memory, naming it).
+    pub fn memory(&self, addr: u64) -> &GlobalMemory {
+        if self.peers.is_empty() || self.global.buffer_at(addr).is_some() {
+            return self.global;
+        }
+        self.peers.iter().copied().find(|m| m.buffer_at(addr).is_some()).unwrap_or(self.global)
+    }
 }
 
 /// Per-block counters, summed into `LaunchStats`.
@@ -506,6 +519,7 @@ impl Warp {
                 }
             }
             Op::Fence => std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst),
+            Op::Nanosleep => std::thread::yield_now(),
             Op::Atom { space, op, ty, d, addr, b, c } => {
                 let size = ty.bytes() as u64;
                 for l in lanes(exec) {

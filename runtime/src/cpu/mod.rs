@@ -663,7 +663,7 @@ impl Rank {
                 indexer::top_k(&self.f[q.0 as usize][..n(q)], &self.f[head_weights.0 as usize][..n(head_weights)], heads, &tk, &self.kv, layer, cx.rope, topk, &mut o[..n(out)]);
                 self.i[out.0 as usize] = o;
             }
-            Op::MlaAttention { q, kv_b, topk, layer, heads, scale, form, out } => {
+            Op::MlaAttention { q, kv_b, topk, layer, heads, scale, form, out, .. } => {
                 let c = &plan.model;
                 let mut o = take(&mut self.f, out);
                 let m = attention::Mla {

@@ -48,6 +48,9 @@ pub struct LoadReport {
     pub memory: Vec<(u64, u64)>,
     /// Kernels loaded from PTX through the JIT because the artifact had no cubin.
     pub jit_kernels: usize,
+    /// Whether small all-reduces replay the one-shot P2P kernel (else NCCL), and why.
+    pub p2p: bool,
+    pub p2p_reason: String,
 }
 
 impl LoadReport {
@@ -57,13 +60,14 @@ impl LoadReport {
 }
 
 enum Command {
+    P2p { contexts: Arc<Vec<u64>>, regions: Arc<Vec<u64>> },
     Comm(cudarc::nccl::sys::ncclUniqueId),
     Capture,
     Run { index: usize, inputs: Arc<Vec<(u64, Vec<u8>)>>, read_logits: bool },
 }
 
 enum Reply {
-    Opened { allocated: u64, free_after: u64, upload: Duration, modules: Duration, bytes: u64, jit: Vec<String> },
+    Opened { allocated: u64, free_after: u64, context: u64, p2p_region: Option<u64>, upload: Duration, modules: Duration, bytes: u64, jit: Vec<String> },
     Ready,
     Captured(Duration),
     Ran(Option<Vec<u8>>),
@@ -98,7 +102,7 @@ fn worker(rank: usize, plan: Arc<Plan>, files: Arc<CheckpointFiles>, kernels: Op
         let t = Instant::now();
         let jit = dev.load_kernels(&plan, kernels.as_deref())?;
         let modules = t.elapsed();
-        Ok::<_, RuntimeError>((dev, Reply::Opened { allocated: opened.allocated, free_after: opened.free_after, upload, modules, bytes, jit }))
+        Ok::<_, RuntimeError>((dev, Reply::Opened { allocated: opened.allocated, free_after: opened.free_after, context: opened.context, p2p_region: opened.p2p_region, upload, modules, bytes, jit }))
     })();
     let mut dev = match opened {
         Ok((dev, reply)) => {
@@ -110,6 +114,7 @@ fn worker(rank: usize, plan: Arc<Plan>, files: Arc<CheckpointFiles>, kernels: Op
     drop(files);
     while let Ok(cmd) = rx.recv() {
         let reply = match cmd {
+            Command::P2p { contexts, regions } => dev.enable_p2p(&contexts, &regions).map(|()| Reply::Ready),
             Command::Comm(id) => dev.init_comm(id, plan.ranks()).and_then(|()| dev.warm_up_collectives(&plan)).map(|()| Reply::Ready),
             Command::Capture => dev.capture_programs(&plan).map(Reply::Captured),
             Command::Run { index, inputs, read_logits } => dev.replay(&plan, index, &inputs, read_logits).map(Reply::Ran),
@@ -120,6 +125,22 @@ fn worker(rank: usize, plan: Arc<Plan>, files: Arc<CheckpointFiles>, kernels: Op
             }
             Err(e) => return fail(e),
         }
+    }
+}
+
+/// Whether small all-reduces may use the P2P kernel: `KILN_P2P=off` says no; otherwise every
+/// ordered GPU pair must pass the write-and-verify probe of `kiln doctor` (the capability bit
+/// alone lies on some hosts, and a kernel waiting for writes that never land would hang).
+fn p2p_choice(ranks: usize) -> Result<(bool, String), RuntimeError> {
+    match std::env::var("KILN_P2P").as_deref() {
+        Ok("off") => return Ok((false, "KILN_P2P=off".into())),
+        Ok("auto") | Err(_) => {}
+        Ok(other) => return Err(RuntimeError::Unsupported { message: format!("KILN_P2P={other:?}: expected `auto` (the default: the P2P all-reduce where every GPU pair passes the peer probe) or `off` (NCCL only)") }),
+    }
+    let probes = p2p::probe(ranks)?;
+    match probes.iter().find(|p| p.result != p2p::PeerResult::Ok) {
+        None => Ok((true, format!("all {} GPU pairs passed the peer write-and-verify probe", probes.len()))),
+        Some(p) => Ok((false, format!("GPU {} -> GPU {}: {:?} in the peer probe (`kiln doctor` shows every pair)", p.from, p.to, p.result))),
     }
 }
 
@@ -180,8 +201,11 @@ impl CudaBackend {
         let mut backend = CudaBackend { plan, workers, replies, logits: Vec::new(), dead: None, report: LoadReport::default() };
         let mut jit = Vec::new();
         backend.report.memory = vec![(0, 0); ranks];
+        let (mut contexts, mut regions) = (vec![0u64; ranks], vec![None; ranks]);
         for (rank, reply) in backend.gather("loading the plan")? {
-            if let Reply::Opened { allocated, free_after, upload, modules, bytes, jit: j } = reply {
+            if let Reply::Opened { allocated, free_after, context, p2p_region, upload, modules, bytes, jit: j } = reply {
+                contexts[rank] = context;
+                regions[rank] = p2p_region;
                 backend.report.memory[rank] = (allocated, free_after);
                 backend.report.weight_bytes += bytes;
                 backend.report.upload = backend.report.upload.max(upload);
@@ -217,6 +241,20 @@ impl CudaBackend {
             );
         }
         let opened = started.elapsed();
+        if rank::plan_has_p2p(&backend.plan) {
+            let (on, reason) = p2p_choice(ranks)?;
+            backend.report.p2p_reason = reason;
+            if on {
+                let regions: Option<Vec<u64>> = regions.into_iter().collect();
+                let regions = Arc::new(regions.ok_or_else(|| RuntimeError::internal("a rank has no P2P region"))?);
+                let contexts = Arc::new(contexts);
+                backend.broadcast(|| Command::P2p { contexts: contexts.clone(), regions: regions.clone() })?;
+                backend.gather("enabling the P2P all-reduce")?;
+                backend.report.p2p = true;
+            }
+            let how = if backend.report.p2p { "the one-shot P2P kernel" } else { "NCCL" };
+            eprintln!("kiln cuda: all-reduces up to {} KiB: {how} ({})", crate::plan::P2P_MAX_BYTES >> 10, backend.report.p2p_reason);
+        }
         if ranks > 1 {
             let t = Instant::now();
             let id = cudarc::nccl::result::get_uniqueid().map_err(|e| gpu_error(format!("ncclGetUniqueId: NCCL {:?}", e.0)))?;

@@ -1,13 +1,14 @@
 //! One GPU of a plan, owned by its worker thread: the context, one stream, exactly the memory
 //! the plan lays out (one allocation each for the weights arena, the workspace every program
 //! shares, the KV cache with its layers back to back, and the RoPE table), the plan's modules,
-//! the NCCL communicator and one CUDA graph per program.
+//! the NCCL communicator, the one-shot P2P all-reduce's region (plans that have the kernel) and
+//! one CUDA graph per program.
 
 use super::hardware::{cu, gpu_error};
 use super::resources::{upload_staging, Context, DeviceBuffer, Event, Graph, Module, Pinned, Stream, WRITE_COMBINED};
 use crate::bind::{fill_slot_region, CheckpointFiles};
 use crate::error::RuntimeError;
-use crate::plan::{DType, KernelInfo, Launch, LaunchArg, Op, Plan, Program};
+use crate::plan::{DType, KernelInfo, Launch, LaunchArg, Op, P2pLayout, Plan, Program};
 use cudarc::driver::{result, sys};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 use std::ffi::{c_void, CString};
@@ -30,16 +31,29 @@ pub struct RankDevice {
     workspace: DeviceBuffer,
     kv: DeviceBuffer,
     rope: DeviceBuffer,
+    /// The P2P all-reduce region (zeroed), when the plan's all-reduces have P2P launches.
+    p2p_region: Option<DeviceBuffer>,
+    /// Whether small all-reduces replay the P2P kernel (every pair passed the probe) or NCCL.
+    p2p: bool,
     stream: Stream,
     ctx: Context,
 }
 
 /// What opening a GPU reported.
 pub struct Opened {
-    /// Bytes of the four planned allocations.
+    /// Bytes of the four planned allocations (and the P2P region).
     pub allocated: u64,
     /// What the driver has left after them.
     pub free_after: u64,
+    /// This GPU's context handle and P2P region address (peers enable access to the context
+    /// and find the region in the table).
+    pub context: u64,
+    pub p2p_region: Option<u64>,
+}
+
+/// Whether any all-reduce of the plan has a one-shot P2P launch.
+pub fn plan_has_p2p(plan: &Plan) -> bool {
+    plan.ranks() > 1 && plan.programs.iter().flat_map(|p| &p.steps).any(|s| matches!(s.op, Op::AllReduce { .. }) && !s.launches.is_empty())
 }
 
 fn nccl_error(what: &str, e: nccl::NcclError) -> RuntimeError {
@@ -82,10 +96,12 @@ impl RankDevice {
         let logit_bytes = plan.programs.iter().map(|p| p.buffer(p.logits).bytes).max().unwrap_or(0);
         let inputs_stage = Pinned::new(input_bytes as usize, WRITE_COMBINED)?;
         let readback = Pinned::new(logit_bytes as usize, 0)?;
-        let allocated = arena.bytes + workspace.bytes + kv.bytes + rope.bytes;
+        let p2p_region = if plan_has_p2p(plan) { Some(DeviceBuffer::zeroed(P2pLayout { ranks: plan.ranks() as u64 }.bytes(), "P2P all-reduce region")?) } else { None };
+        let allocated = arena.bytes + workspace.bytes + kv.bytes + rope.bytes + p2p_region.as_ref().map_or(0, |r| r.bytes);
         let (free_after, _) = ctx.memory()?;
-        let dev = RankDevice { rank, graphs: Vec::new(), comm: None, functions: Vec::new(), modules: Vec::new(), inputs_stage, readback, arena, workspace, kv, rope, stream, ctx };
-        Ok((dev, Opened { allocated, free_after }))
+        let opened = Opened { allocated, free_after, context: ctx.ctx as u64, p2p_region: p2p_region.as_ref().map(|r| r.ptr) };
+        let dev = RankDevice { rank, graphs: Vec::new(), comm: None, functions: Vec::new(), modules: Vec::new(), inputs_stage, readback, arena, workspace, kv, rope, p2p_region, p2p: false, stream, ctx };
+        Ok((dev, opened))
     }
 
     /// Fills every weight slot of this rank from the mapped checkpoint into pinned staging
@@ -153,6 +169,31 @@ impl RankDevice {
         Ok(jit)
     }
 
+    /// Switches small all-reduces to the P2P kernel: enables access to every peer's context and
+    /// writes the table of every rank's region (`regions[r]`) into this rank's.
+    pub fn enable_p2p(&mut self, contexts: &[u64], regions: &[u64]) -> Result<(), RuntimeError> {
+        self.ctx.bind()?;
+        let region = self.p2p_region.as_ref().ok_or_else(|| RuntimeError::internal("P2P enabled on a rank without a region"))?;
+        for (peer, &c) in contexts.iter().enumerate().filter(|(p, _)| *p != self.rank) {
+            // SAFETY: `c` is a live context of the process (peer's worker keeps it retained).
+            match unsafe { sys::cuCtxEnablePeerAccess(c as sys::CUcontext, 0) }.result() {
+                Ok(()) => {}
+                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {}
+                Err(e) => return Err(gpu_error(format!("GPU {}: enabling peer access to GPU {peer}: {}", self.rank, super::hardware::describe(&e)))),
+            }
+        }
+        let table: Vec<u8> = regions.iter().flat_map(|r| r.to_le_bytes()).collect();
+        // SAFETY: the region starts with room for the table (P2pLayout).
+        cu(|| "writing the P2P region table".into(), unsafe { result::memcpy_htod_sync(region.ptr, &table) })?;
+        self.p2p = true;
+        Ok(())
+    }
+
+    /// Whether all-reduce `step` replays the P2P kernel.
+    fn uses_p2p(&self, step: &crate::plan::Step) -> bool {
+        self.p2p && matches!(step.op, Op::AllReduce { .. }) && !step.launches.is_empty()
+    }
+
     /// Joins the communicator of all ranks (blocks until every rank has called it).
     pub fn init_comm(&mut self, id: nccl_sys::ncclUniqueId, nranks: usize) -> Result<(), RuntimeError> {
         self.ctx.bind()?;
@@ -171,7 +212,7 @@ impl RankDevice {
         }
         let mut seen = std::collections::HashSet::new();
         for p in &plan.programs {
-            for step in &p.steps {
+            for step in p.steps.iter().filter(|s| !self.uses_p2p(s)) {
                 let key = match step.op {
                     Op::AllReduce { buf } => (0, p.buffer(buf).bytes, p.buffer(buf).dtype.size() as u64),
                     Op::AllGather { input, out } => (1, p.buffer(input).bytes, p.buffer(out).bytes),
@@ -237,6 +278,7 @@ impl RankDevice {
                 self.kv.ptr + layer as u64 * plan.memory.kv.layer_bytes()
             }
             LaunchArg::RopeTable => self.rope.ptr,
+            LaunchArg::P2pRegion => self.p2p_region.as_ref().ok_or_else(|| RuntimeError::internal(format!("{}: a P2P launch on a rank without a region", p.name)))?.ptr,
             LaunchArg::U32(v) => v as u64,
             LaunchArg::F32(v) => v.to_bits() as u64,
             LaunchArg::PerRank(v) => LaunchArg::per_rank(v, self.rank).ok_or_else(|| RuntimeError::internal(format!("rank {} x {v} overflows a u32", self.rank)))? as u64,
@@ -296,6 +338,7 @@ impl RankDevice {
     fn record(&self, plan: &Plan, p: &Program) -> Result<(), RuntimeError> {
         for step in &p.steps {
             match step.op {
+                Op::AllReduce { .. } if self.uses_p2p(step) => step.launches.iter().try_for_each(|l| self.launch(plan, p, l))?,
                 Op::AllReduce { .. } | Op::AllGather { .. } => self.collective(plan, p, &step.op)?,
                 _ => step.launches.iter().try_for_each(|l| self.launch(plan, p, l))?,
             }

@@ -243,6 +243,7 @@ pub fn launch_cost(plan: &Plan, step: &Step, li: usize, load: &Load) -> Result<C
         }
         "indexer_topk" => indexer_topk(&p, l, load, &mut c)?,
         "mla_attention" => mla_attention(&p, l, load, &mut c)?,
+        "mla_split" => mla_split(&p, l, &mut c)?,
         "moe_gate_up" => moe_gate_up(&p, load, &mut c)?,
         "moe_down" => moe_down(&p, l, load, &mut c)?,
         other => return Err(format!("no cost model for template {other} ({})", k.name)),
@@ -292,24 +293,35 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
     Ok(())
 }
 
-/// Absorbed MLA, one block per (token, head group): every block loads its heads' W_UK and W_UV
-/// (so kv_b is read once per token) and every selected latent row (so the rows are read once
-/// per head group).
+/// Absorbed MLA, one block per (token, head group[, split]). MODE 0: every block loads its heads'
+/// W_UK and W_UV (so kv_b is read once per token) and every selected latent row (so the rows are
+/// read once per head group). MODE 1 (split-KV decode): q_abs comes from the absorb launch, each
+/// split block stages q_rope and its share of the top-k row, and writes its heads' softmax
+/// states (padding tokens' too) instead of the output.
 fn mla_attention(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), String> {
     let (heads, hg, nope, rope, v, latent) = (p.v("HEADS")?, p.v("HG")?, p.v("NOPE")?, p.v("ROPE")?, p.v("V")?, p.v("LATENT")?);
     let (topk, mma) = (p.v("TOPK")?, p.v("MMA")? == 1.0);
+    let split = p.v("MODE")? == 1.0;
+    let splits = l.grid[2] as f64;
     let groups = heads / hg;
     let rows = l.grid[1] as f64;
     let warps = l.block[0] as f64 / 32.0;
     let active = load.tokens.active() as f64;
     let os = p.size("OUT_BF16")?;
-    // lane 0 of every warp loads token_seq and position
-    c.read(Class::Aux, 8.0 * rows * groups, warps);
-    c.write(rows * heads * v * os);
     let qs = p.size("Q_BF16")?;
-    c.read(Class::Activations, active * heads * (nope + rope) * qs, 1.0);
-    c.read(Class::Aux, active * rope * 4.0, heads);
-    c.read(Class::Weights, heads * (nope + v) * latent * 2.0, active);
+    // lane 0 of every warp loads token_seq and position
+    c.read(Class::Aux, 8.0 * rows * groups * splits, warps);
+    if split {
+        c.write(rows * splits * heads * (latent + 4.0) * 4.0);
+        c.read(Class::Activations, active * heads * latent * 4.0, splits);
+        c.read(Class::Activations, active * heads * rope * qs, splits);
+        c.read(Class::Aux, active * rope * 4.0, heads * splits);
+    } else {
+        c.write(rows * heads * v * os);
+        c.read(Class::Activations, active * heads * (nope + rope) * qs, 1.0);
+        c.read(Class::Aux, active * rope * 4.0, heads);
+        c.read(Class::Weights, heads * (nope + v) * latent * 2.0, active);
+    }
     // selected positions per token: the top-k list's valid entries, or every cached one
     let sel = |n: f64| if topk > 0.0 { n.min(topk) } else { n };
     let selected = load.tokens.sum(sel);
@@ -321,13 +333,45 @@ fn mla_attention(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<()
     // tensor cores, the context the latent again
     let row = if mma { 2.0 * latent + rope } else { latent + rope };
     c.read(Class::Kv, selected * (latent + rope) * 2.0, groups * row / (latent + rope));
-    let per_block = 2.0 * hg * latent * (nope + v);
+    let per_block = if split { 0.0 } else { 2.0 * hg * latent * (nope + v) };
     c.flops.fp32 += active * groups * per_block + 2.0 * selected * heads * latent;
     if mma {
         let tiles = load.tokens.sum(|n| (sel(n) / 16.0).ceil() * 16.0);
         c.flops.bf16_mma += 3.0 * 2.0 * tiles * heads * (latent + rope);
     } else {
         c.flops.fp32 += 2.0 * selected * heads * (latent + rope);
+    }
+    Ok(())
+}
+
+/// The other three launches of split-KV decode attention (all tokens, padding too). MODE 0
+/// (absorb): W_UK once, each block the q_nope rows of its head for every token; MODE 1
+/// (combine): every split's state once; MODE 2 (output): W_UV once, each block its head's
+/// context of every token.
+fn mla_split(p: &Params, l: &Launch, c: &mut Cost) -> Result<(), String> {
+    let (heads, nope, v, latent) = (p.v("HEADS")?, p.v("NOPE")?, p.v("V")?, p.v("LATENT")?);
+    let (tokens, splits, mode) = (p.v("TOKENS")?, p.v("SPLITS")?, p.v("MODE")?);
+    let per_head = l.grid[0] as f64 / heads;
+    match mode as u32 {
+        0 => {
+            c.read(Class::Weights, heads * nope * latent * 2.0, 1.0);
+            c.read(Class::Activations, tokens * heads * nope * p.size("Q_BF16")?, l.grid[1] as f64);
+            c.write(tokens * heads * latent * 4.0);
+            c.flops.fp32 += 2.0 * tokens * heads * nope * latent;
+        }
+        1 => {
+            // (m, l) per block, the context per lane
+            c.read(Class::Activations, tokens * heads * splits * 8.0, per_head);
+            c.read(Class::Activations, tokens * heads * splits * latent * 4.0, 1.0);
+            c.write(tokens * heads * latent * 4.0);
+            c.flops.fp32 += 2.0 * tokens * heads * splits * latent;
+        }
+        _ => {
+            c.read(Class::Weights, heads * v * latent * 2.0, 1.0);
+            c.read(Class::Activations, tokens * heads * latent * 4.0, per_head);
+            c.write(tokens * heads * v * p.size("OUT_BF16")?);
+            c.flops.fp32 += 2.0 * tokens * heads * v * latent;
+        }
     }
     Ok(())
 }

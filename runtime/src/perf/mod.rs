@@ -7,8 +7,9 @@
 //! are its loads and stores as the PTX emulator counts them (L2 is not a cache for weights; a
 //! value re-read by several blocks counts each time), and a launch with fewer working blocks than
 //! SMs gets that fraction of the bandwidth and of every rate. A collective takes NCCL's
-//! `base + bytes / bandwidth`, or, for an all-reduce of at most `p2p_max_bytes`, the one-shot P2P
-//! all-reduce's `base + (ranks - 1) * bytes / bandwidth` (not built yet: reported beside NCCL).
+//! `base + bytes / bandwidth`, or, for an all-reduce the plan gives the one-shot P2P kernel (at
+//! most `p2p_max_bytes`), that kernel's `base + (ranks - 1) * bytes / bandwidth` (reported beside
+//! NCCL: the runtime uses it only where every GPU pair passes the peer probe).
 //! A step is the sum of its launches and collectives (one CUDA graph, nothing overlaps).
 
 pub mod kernels;
@@ -206,12 +207,16 @@ pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constant
             Op::AllReduce { buf } => {
                 let bytes = program.buffer(buf).bytes;
                 let (nccl_us, p2p_us) = collective_time(true, bytes as f64, plan.ranks(), k);
+                // the P2P time where the plan has the kernel (its launch is costed as the collective)
+                let p2p_us = p2p_us.filter(|_| !step.launches.is_empty());
                 collectives.push(CollectivePerf { step: s, all_reduce: true, bytes, nccl_us, p2p_us });
+                continue;
             }
             Op::AllGather { out, .. } => {
                 let bytes = program.buffer(out).bytes;
                 let (nccl_us, p2p_us) = collective_time(false, bytes as f64, plan.ranks(), k);
                 collectives.push(CollectivePerf { step: s, all_reduce: false, bytes, nccl_us, p2p_us });
+                continue;
             }
             _ => {}
         }
@@ -245,7 +250,7 @@ pub struct StepPerf {
     pub context: usize,
     pub step_ms: f64,
     pub tokens_per_s: f64,
-    /// With the one-shot P2P all-reduce (not built yet) for all-reduces up to `p2p_max_bytes`.
+    /// With the one-shot P2P all-reduce kernel for the all-reduces the plan gives it.
     pub step_ms_p2p: f64,
     pub tokens_per_s_p2p: f64,
     pub kernel_ms: f64,
@@ -356,7 +361,7 @@ fn notes(plan: &Plan) -> Vec<String> {
         "bytes = every global load and store a kernel executes, counted per lane as the PTX emulator counts them (weights, activations, KV cache, inputs); L2 is not a cache for weights, nor for anything else: a re-read counts again".into(),
         "a step = sum of its launches and collectives (one CUDA graph per rank, nothing overlaps); all ranks run the same program".into(),
         format!(
-            "collectives: NCCL (today's runtime) for every all-reduce and all-gather (the gathered bytes); the p2p columns use the one-shot P2P all-reduce (not built yet) for all-reduces up to the P2P limit, with (ranks - 1) = {} transfers",
+            "collectives: NCCL for every all-reduce and all-gather (the gathered bytes); the p2p columns use the plan's one-shot P2P all-reduce kernel (all-reduces up to 64 KiB; the runtime uses it where every GPU pair passes the peer probe), with (ranks - 1) = {} transfers",
             plan.ranks().saturating_sub(1)
         ),
         format!(

@@ -73,3 +73,33 @@ impl MemoryPlan {
         self.headroom + self.weights + self.workspace + self.kv.bytes() + self.kv.rope_table_bytes()
     }
 }
+
+/// Largest all-reduce the one-shot P2P kernel takes; larger ones stay on NCCL.
+pub const P2P_MAX_BYTES: u64 = 64 << 10;
+
+/// The per-rank region of the one-shot P2P all-reduce (`kernel-templates/p2p_all_reduce.ptx`):
+/// every rank's region base (u64 each), this rank's epoch (u32, padded to 16 B), a flag per rank
+/// (u32), then two slots of [`P2P_MAX_BYTES`] at a 256-byte boundary. The runtime allocates it
+/// zeroed on every GPU and writes the table; peers address it directly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct P2pLayout {
+    pub ranks: u64,
+}
+
+impl P2pLayout {
+    pub fn epoch(&self) -> u64 {
+        8 * self.ranks
+    }
+
+    pub fn flags(&self) -> u64 {
+        self.epoch() + 16
+    }
+
+    pub fn slots(&self) -> u64 {
+        (self.flags() + 4 * self.ranks).next_multiple_of(256)
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.slots() + 2 * P2P_MAX_BYTES
+    }
+}

@@ -40,6 +40,10 @@ pub enum Op {
     /// MLA attention for this rank's heads over the cached latents selected by `topk`
     /// (all causal positions when `topk` is None). `q` rows are `[heads, nope | rope]` (pre-RoPE),
     /// `kv_b` the rank's `[heads * (nope + v), kv_lora_rank]` slice; output `[heads * v]`.
+    /// `absorbed` (F32 `[tokens, heads * kv_lora_rank]`) and `partials` (F32 `[tokens, splits,
+    /// heads * (kv_lora_rank + 4)]`) are kernel scratch of split-KV decode: q absorbed into the
+    /// latent space (then the combined context), and each split's softmax state; both are empty in
+    /// prefill programs (one fused launch).
     MlaAttention {
         q: BufId,
         kv_b: WeightId,
@@ -48,6 +52,8 @@ pub enum Op {
         heads: usize,
         scale: f32,
         form: AttentionForm,
+        absorbed: BufId,
+        partials: BufId,
         out: BufId,
     },
     /// fp32 sigmoid router with selection bias, group-limited top-k, normalisation and scaling.
@@ -159,7 +165,6 @@ impl Op {
         match self {
             Op::Embed { out, .. }
             | Op::Linear { out, .. }
-            | Op::MlaAttention { out, .. }
             | Op::Add { out, .. }
             | Op::GatherRows { out, .. }
             | Op::AllGather { out, .. } => vec![*out],
@@ -167,6 +172,7 @@ impl Op {
             Op::MoeExperts { out, mid, acc, .. } => vec![*out, *mid, *acc],
             Op::Router { logits, ids, weights, .. } => vec![*logits, *ids, *weights],
             Op::IndexerTopK { scores, out, .. } => vec![*scores, *out],
+            Op::MlaAttention { absorbed, partials, out, .. } => vec![*out, *absorbed, *partials],
             Op::AllReduce { buf } => vec![*buf],
             Op::MlaKvWrite { .. } | Op::IndexerKeyWrite { .. } => vec![],
         }
@@ -184,6 +190,7 @@ impl Op {
             Op::MoeExperts { mid, acc, .. } => vec![*mid, *acc],
             Op::Router { logits, .. } => vec![*logits],
             Op::IndexerTopK { scores, .. } => vec![*scores],
+            Op::MlaAttention { absorbed, partials, .. } => vec![*absorbed, *partials],
             _ => vec![],
         }
     }

@@ -18,7 +18,16 @@ pub enum Dim {
     PagesPerSeq,
     /// Tokens whose indexer scores go to scratch: the decode batch; 0 in prefill programs.
     ScoreRows,
+    /// KV splits of decode attention whose partial softmax states go to scratch:
+    /// [`attention_splits_cap`] of the decode batch; 0 in prefill programs.
+    AttentionSplits,
     Fixed(usize),
+}
+
+/// Most KV splits decode attention may use at `tokens` tokens: enough that tokens x splits
+/// blocks fill 256 SMs twice, at most 64 (the scratch of the partial states grows with it).
+pub fn attention_splits_cap(tokens: usize) -> usize {
+    512usize.div_ceil(tokens.max(1)).min(64)
 }
 
 /// One activation or input buffer of a program, at a fixed offset in the rank's workspace.
@@ -47,7 +56,8 @@ pub enum KernelFamily {
     MoeBf16,
     Add,
     GatherRows,
-    /// NCCL collectives: no kiln kernel.
+    /// Collectives: NCCL, or for small all-reduces the one-shot P2P kernel (`p2p_all_reduce`),
+    /// which the CUDA runtime uses only where every GPU pair passed the peer probe.
     Collective,
 }
 

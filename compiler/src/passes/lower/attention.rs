@@ -2,10 +2,15 @@
 //!
 //! Both `AttentionForm`s lower to the absorbed kernel: the forms are mathematically equal and
 //! the absorbed one reads each selected latent row once for all heads of a block instead of
-//! expanding per-head keys and values. One block per (token, group of heads).
+//! expanding per-head keys and values. Prefill: one fused launch, a block per (token, group of
+//! heads). Decode (the op has split scratch): split-KV in four launches, so that even one token
+//! fills the GPU and kv_b is read once per step instead of once per block: q absorbed into the
+//! latent space (`mla_split` MODE 0), each split of the top-k row's softmax state
+//! (`mla_attention` MODE 1, all heads of a block sharing every latent row), the splits combined
+//! (`mla_split` MODE 1), and the output projection (`mla_split` MODE 2).
 
 use super::{fits, float_flag, numel, of_grid, width, Cx, Instance, THREADS};
-use crate::kernels::{MlaAttentionArgs, MlaAttentionParams, Ptr};
+use crate::kernels::{MlaAttentionArgs, MlaAttentionParams, MlaSplitArgs, MlaSplitParams, Ptr};
 use kiln_runtime::plan::{DType, Op};
 
 /// Context accumulators a lane may hold: heads per block x 4 dims x latent chunks of 128.
@@ -73,8 +78,32 @@ fn chunk(topk: usize, threads: u32) -> usize {
     }
 }
 
+/// Fewest top-k entries a split takes (one score tile of the tensor-core path).
+const MIN_SPLIT: usize = 16;
+
+/// Splits of decode attention: enough that the blocks fill the GPU twice, within the scratch's
+/// capacity and at least `MIN_SPLIT` entries each; returns (splits, entries per split), every
+/// split non-empty.
+fn splits(topk: usize, blocks_per_split: usize, sms: usize, cap: usize) -> (usize, usize) {
+    let want = (2 * sms).div_ceil(blocks_per_split.max(1)).clamp(1, cap.max(1)).min(topk.div_ceil(MIN_SPLIT).max(1));
+    let per = topk.div_ceil(want);
+    (topk.div_ceil(per), per)
+}
+
+/// Threads of a split block: a warp per 16-entry tile of the split, 2 to 8 warps.
+fn split_threads(per_split: usize) -> u32 {
+    (32 * per_split.div_ceil(MIN_SPLIT).clamp(2, 8)) as u32
+}
+
+/// W_UV rows per warp of the output launch: more at larger batches, where every block reads each
+/// token's context once.
+fn rows_per_warp(tokens: usize, v: usize) -> usize {
+    let want = if tokens <= 4 { 1 } else if tokens <= 16 { 2 } else { 4 };
+    [want, 2, 1].into_iter().find(|r| *r <= want && v % (8 * r) == 0).unwrap_or(1)
+}
+
 pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
-    let Op::MlaAttention { q, kv_b, topk, layer, heads, scale, form: _, out } = *op else {
+    let Op::MlaAttention { q, kv_b, topk, layer, heads, scale, form: _, absorbed, partials, out } = *op else {
         return Err("not an MLA attention".into());
     };
     let (p, m, kv) = (cx.program, &cx.plan.model, &cx.plan.memory.kv);
@@ -108,8 +137,20 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let slots = u32::try_from(kv.pages * kv.page_size).map_err(|_| "the cache slots overflow a u32".to_string())?;
     let max_pos = u32::try_from(kv.max_context).map_err(|_| "the context overflows a u32".to_string())?;
     let (q_bf16, out_bf16) = (float_flag(p.buffer(q).dtype, "q")?, float_flag(p.buffer(out).dtype, "the output")?);
-    let instance = |hg: usize| -> MlaAttentionParams {
-        let threads = threads_for(hg);
+    // split-KV decode where the op has the scratch and the geometry fits mla_split
+    let split_cap = if p.buffer(partials).shape.len() == 3 { p.buffer(partials).shape[1] } else { 0 };
+    let split = split_cap > 0
+        && k > 0
+        && nope % 8 == 0
+        && nope <= 256
+        && latent % 32 == 0
+        && latent <= 4 * THREADS as usize
+        && v % 8 == 0
+        && numel(p, absorbed) == tokens * heads * latent
+        && numel(p, partials) == tokens * split_cap * heads * (latent + 4);
+    let instance = |hg: usize, mode: u32, splits: usize, per: usize| -> MlaAttentionParams {
+        let threads = if mode == 1 { split_threads(per) } else { threads_for(hg) };
+        let per = if mode == 1 { per } else { k };
         let qs = q_slices(nope, hg, nl, threads);
         let (mma, qbs) = mma_layout(hg, latent, rope, kv.row_elems(), out_bf16 == 1);
         // The q_abs partial sums and (MMA) the split q and p tiles share one scratch region.
@@ -130,24 +171,29 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             slots,
             max_pos,
             topk: k as u32,
-            chunk: chunk(k, threads) as u32,
+            chunk: chunk(per, threads) as u32,
             threads,
             mma,
             qbs,
             xs: xs as u32,
             q_bf16,
             out_bf16,
+            mode,
+            splits: splits as u32,
+            split: per as u32,
         }
     };
-    // The preferred head group, or smaller ones while shared memory does not fit.
-    let mut hg = heads_per_block(heads, nl, tokens);
+    // The preferred head group (split: all heads that fit, the splits fill the GPU), or smaller
+    // ones while shared memory does not fit.
+    let mut hg = heads_per_block(heads, nl, if split { MIN_BLOCKS } else { tokens });
     if 4 * nl * hg > MAX_CTX_REGS {
         return Err(format!("a latent of {latent} does not fit one warp's registers"));
     }
-    let mut params = instance(hg);
+    let (mode, (n_splits, per)) = if split { (1, splits(k, tokens * heads / hg, cx.consts.sms as usize, split_cap)) } else { (0, (1, k)) };
+    let mut params = instance(hg, mode, n_splits, per);
     while hg > 1 && params.dynamic_smem()? > cx.smem_limit {
         hg = (1..hg).rev().find(|d| heads % d == 0).unwrap_or(1);
-        params = instance(hg);
+        params = instance(hg, mode, n_splits, per);
     }
     let smem = params.dynamic_smem()?;
     fits(smem as usize, cx.smem_limit, &format!("MLA attention over {hg} heads"))?;
@@ -164,7 +210,38 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         cache: Ptr::KvCache(layer as u32),
         rope: Ptr::RopeTable,
         out: Ptr::Buffer(out),
+        absorbed: Ptr::Buffer(absorbed),
+        partials: Ptr::Buffer(partials),
         scale,
     };
-    Ok(vec![of_grid(&params, [(heads / hg) as u32, tokens as u32, 1], params.threads, args.launch_args())])
+    let attention = of_grid(&params, [(heads / hg) as u32, tokens as u32, n_splits as u32], params.threads, args.launch_args());
+    if !split {
+        return Ok(vec![attention]);
+    }
+    let helper = |mode: u32, rpw: usize| MlaSplitParams {
+        arch: cx.arch,
+        heads: heads as u32,
+        nope: nope as u32,
+        rope: rope as u32,
+        v: v as u32,
+        latent: latent as u32,
+        nl: nl as u32,
+        tokens: tokens as u32,
+        splits: n_splits as u32,
+        rpw: rpw as u32,
+        threads: if mode == 1 { 32 } else { THREADS },
+        mode,
+        q_bf16,
+        out_bf16,
+    };
+    let args = MlaSplitArgs { q: Ptr::Buffer(q), kv_b: Ptr::Weight(kv_b), absorbed: Ptr::Buffer(absorbed), partials: Ptr::Buffer(partials), out: Ptr::Buffer(out) }.launch_args();
+    let rpw = rows_per_warp(tokens, v);
+    let (absorb, combine, output) = (helper(0, 1), helper(1, 1), helper(2, rpw));
+    fits(absorb.dynamic_smem()? as usize, cx.smem_limit, "the MLA absorb launch")?;
+    Ok(vec![
+        of_grid(&absorb, [heads as u32, (latent / 32) as u32, 1], THREADS, args.clone()),
+        attention,
+        of_grid(&combine, [(heads * nl) as u32, tokens as u32, 1], 32, args.clone()),
+        of_grid(&output, [(heads * v / (8 * rpw)) as u32, 1, 1], THREADS, args),
+    ])
 }

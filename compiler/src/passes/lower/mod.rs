@@ -11,6 +11,7 @@
 
 mod attention;
 mod cache;
+mod collective;
 mod gemm;
 mod indexer;
 mod moe;
@@ -115,15 +116,17 @@ pub fn candidate_us(weights: f64, activations: f64, fp32_flops: f64, blocks: f64
 /// when every block also stages `block_bytes` of activations (all M rows): weights once,
 /// activations once per block, over the SMs the blocks occupy ([`candidate_us`]). At decode
 /// batch 1 one column per warp fills the GPU (a 2,048-row projection becomes 256 blocks, not
-/// 32); with 32 staged rows wider blocks re-read x less. Ties keep the wider block.
-pub fn gemv_tasks_per_block(tasks: usize, task_bytes: usize, block_bytes: usize, k: &Constants) -> u32 {
+/// 32), and below `MIN_TASKS_PER_BLOCK` (down to `min_per_block`) warps share a column (a
+/// 32-column projection: 32 blocks, not 4); with 32 staged rows wider blocks re-read x less.
+/// Ties keep the wider block.
+pub fn gemv_tasks_per_block(tasks: usize, task_bytes: usize, block_bytes: usize, min_per_block: u32, k: &Constants) -> u32 {
     let cost = |per_block: u32| {
         let blocks = tasks.div_ceil(per_block as usize) as f64;
         candidate_us(tasks as f64 * task_bytes as f64, blocks * block_bytes as f64, 0.0, blocks, k)
     };
     let mut best = TASKS_PER_BLOCK;
     let mut per_block = TASKS_PER_BLOCK;
-    while per_block > MIN_TASKS_PER_BLOCK {
+    while per_block > min_per_block.max(1) {
         per_block /= 2;
         if cost(per_block) < cost(best) {
             best = per_block;
@@ -149,7 +152,7 @@ pub fn lower(plan: &mut Plan) -> Result<(), CompileError> {
     for program in &mut programs {
         for s in 0..program.steps.len() {
             let family = program.steps[s].kernel;
-            if family == KernelFamily::Collective {
+            if family == KernelFamily::Collective && !matches!(program.steps[s].op, Op::AllReduce { .. }) {
                 continue;
             }
             let cx = Cx { plan, program, arch, smem_limit, consts };
@@ -295,6 +298,7 @@ fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         Op::MlaKvWrite { .. } | Op::IndexerKeyWrite { .. } => cache::instances(cx, op),
         Op::IndexerTopK { .. } => indexer::instances(cx, op),
         Op::MlaAttention { .. } => attention::instances(cx, op),
+        Op::AllReduce { .. } => collective::instances(cx, op),
         Op::MoeExperts { .. } => moe::instances(cx, op),
         Op::Router { .. } => router::instances(cx, op),
         Op::Linear { .. } => match instance(cx, op) {
@@ -351,13 +355,16 @@ fn instance(cx: &Cx, op: &Op) -> Result<Instance, String> {
                     bf16_linear_shape(k, epilogue, "GEMV")?;
                     let staged = m * k * if x_bf16 == 1 { 2 } else { 4 };
                     fits(staged, smem_limit, &format!("a BF16 GEMV with M = {m}, K = {k}"))?;
-                    let tasks_per_block = gemv_tasks_per_block(n, 2 * k, staged, &cx.consts);
+                    // warps share a column only while its chunks and the column sums fit
+                    let min_per_block = if m <= 8 && k >= 8 * 32 * MIN_TASKS_PER_BLOCK as usize && fits(staged + m * THREADS as usize / 8, smem_limit, "").is_ok() { 1 } else { MIN_TASKS_PER_BLOCK };
+                    let tasks_per_block = gemv_tasks_per_block(n, 2 * k, staged, min_per_block, &cx.consts);
                     let params = LinearBf16GemvParams {
                         arch,
                         m: m as u32,
                         n: n as u32,
                         k: k as u32,
                         tasks_per_block,
+                        wpc: (MIN_TASKS_PER_BLOCK / tasks_per_block).max(1),
                         unroll: loads_ahead(m),
                         threads: THREADS,
                         x_bf16,
@@ -374,7 +381,7 @@ fn instance(cx: &Cx, op: &Op) -> Result<Instance, String> {
                     // a task is one output column: one weight row, or a gate and an up row
                     let task_bytes = (if silu { 2 } else { 1 }) * k * 9 / 16;
                     let staged = m * k * if x_bf16 == 1 { 2 } else { 4 };
-                    let tasks_per_block = gemv_tasks_per_block(tasks, task_bytes, staged, &cx.consts);
+                    let tasks_per_block = gemv_tasks_per_block(tasks, task_bytes, staged, MIN_TASKS_PER_BLOCK, &cx.consts);
                     let params = LinearNvfp4GemvParams {
                         arch,
                         m: m as u32,
@@ -468,20 +475,25 @@ fn instance(cx: &Cx, op: &Op) -> Result<Instance, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::gemv_tasks_per_block;
+    use super::{gemv_tasks_per_block, MIN_TASKS_PER_BLOCK};
     use kiln_runtime::perf::Constants;
 
     #[test]
     fn gemv_blocks_fill_the_gpu_at_batch_one_and_widen_with_staged_rows() {
         // GLM-5 tp8 q_a (2,048 BF16 rows of K = 6144), 188 SMs. Batch 1: 32 blocks of 64 would
         // draw 32/188 of the bandwidth; 256 blocks of 8 draw all of it for 12 KiB more x each.
-        assert_eq!(gemv_tasks_per_block(2048, 2 * 6144, 2 * 6144, &Constants::SM120A), 8);
+        assert_eq!(gemv_tasks_per_block(2048, 2 * 6144, 2 * 6144, MIN_TASKS_PER_BLOCK, &Constants::SM120A), 8);
         // Batch 32 stages 384 KiB of x per block: 128 blocks of 16 cost (25.2 + 50.3 MB) / 0.68,
         // less than 256 of 8 ((25.2 + 100.7 MB) / 1) or 64 of 32 ((25.2 + 25.2 MB) / 0.34).
-        assert_eq!(gemv_tasks_per_block(2048, 2 * 6144, 32 * 2 * 6144, &Constants::SM120A), 16);
+        assert_eq!(gemv_tasks_per_block(2048, 2 * 6144, 32 * 2 * 6144, MIN_TASKS_PER_BLOCK, &Constants::SM120A), 16);
         // Few columns: one per warp, however few blocks that makes.
-        assert_eq!(gemv_tasks_per_block(32, 2 * 6144, 2 * 6144, &Constants::SM120A), 8);
+        assert_eq!(gemv_tasks_per_block(32, 2 * 6144, 2 * 6144, MIN_TASKS_PER_BLOCK, &Constants::SM120A), 8);
+        // ... unless warps may share a column: 32 columns (the indexer's head weights) in 32
+        // blocks: (0.39 + 0.39 MB) / (32/188) beats (0.39 + 0.05 MB) / (4/188); 576 (kv_a) in
+        // 288 blocks of 2: 10.6 MB at full bandwidth beats 576 of 1 (14.2 MB) and 144 of 4.
+        assert_eq!(gemv_tasks_per_block(32, 2 * 6144, 2 * 6144, 1, &Constants::SM120A), 1);
+        assert_eq!(gemv_tasks_per_block(576, 2 * 6144, 2 * 6144, 1, &Constants::SM120A), 2);
         // A GPU the widest blocks already fill keeps them.
-        assert_eq!(gemv_tasks_per_block(64 * 188, 2 * 6144, 2 * 6144, &Constants::SM120A), 64);
+        assert_eq!(gemv_tasks_per_block(64 * 188, 2 * 6144, 2 * 6144, MIN_TASKS_PER_BLOCK, &Constants::SM120A), 64);
     }
 }

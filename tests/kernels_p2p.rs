@@ -1,0 +1,102 @@
+//! The one-shot P2P all-reduce template on simulated GPUs: every rank its own memory at its own
+//! base, each rank's launch on its own thread addressing the other ranks' memories (as peer
+//! access gives), several all-reduces in a row (both slots, the epoch advancing), BF16 and F32,
+//! 2, 3 and 8 ranks, from 16 B to the 64 KiB limit. Every rank must end with the sum bit
+//! for bit: f32 additions in rank order 0, 1, ..., rounded once (the CPU backend's all-reduce).
+
+mod common;
+use common::{bytes, floats, randn};
+use kiln_compiler::kernels::P2pAllReduceParams;
+use kiln_runtime::emu::{launch_with_peers, GlobalMemory, KernelArg, Module, GLOBAL_BASE};
+use kiln_runtime::numerics::{bf16_to_f32, f32_to_bf16};
+use kiln_runtime::plan::{P2pLayout, P2P_MAX_BYTES};
+use kiln_runtime::rng::Rng;
+
+/// The order: rank 0's value, plus rank 1's, ... in f32, then one rounding.
+fn rank_order_sum(parts: &[Vec<f32>], bf16: bool) -> Vec<f32> {
+    let mut acc = parts[0].clone();
+    for p in &parts[1..] {
+        acc.iter_mut().zip(p).for_each(|(a, &v)| *a += v);
+    }
+    if bf16 {
+        acc.iter_mut().for_each(|v| *v = bf16_to_f32(f32_to_bf16(*v)));
+    }
+    acc
+}
+
+fn all_reduce_rounds(ranks: usize, n: usize, bf16: bool, rounds: usize, seed: u64) {
+    let size = if bf16 { 2 } else { 4 };
+    let layout = P2pLayout { ranks: ranks as u64 };
+    let params = P2pAllReduceParams {
+        arch: 120,
+        ranks: ranks as u32,
+        bytes: (n * size) as u32,
+        bf16: bf16 as u32,
+        slot: P2P_MAX_BYTES as u32,
+        flags: layout.flags() as u32,
+        slots: layout.slots() as u32,
+        threads: 256,
+    };
+    let module = Module::parse(&params.render().unwrap(), "p2p_all_reduce.ptx").unwrap();
+    let mut mems: Vec<GlobalMemory> = (0..ranks).map(|r| GlobalMemory::with_base(GLOBAL_BASE + ((r as u64 + 1) << 40))).collect();
+    let bufs: Vec<_> = mems.iter_mut().map(|m| m.alloc("buf", n * size)).collect();
+    let regions: Vec<_> = mems.iter_mut().map(|m| m.alloc("p2p region", layout.bytes() as usize)).collect();
+    let table: Vec<u8> = (0..ranks).flat_map(|q| mems[q].addr(regions[q]).to_le_bytes()).collect();
+    for (m, &reg) in mems.iter().zip(&regions) {
+        m.write(reg, 0, &table);
+    }
+    let mut rng = Rng::new(seed);
+    for round in 0..rounds {
+        let parts: Vec<Vec<f32>> = (0..ranks).map(|_| randn(&mut rng, n, 1.0, bf16)).collect();
+        for ((m, &b), part) in mems.iter().zip(&bufs).zip(&parts) {
+            m.write(b, 0, &bytes(part, bf16));
+        }
+        std::thread::scope(|s| {
+            for r in 0..ranks {
+                let (mems, module, bufs, regions) = (&mems, &module, &bufs, &regions);
+                s.spawn(move || {
+                    let peers: Vec<&GlobalMemory> = (0..ranks).filter(|&q| q != r).map(|q| &mems[q]).collect();
+                    let args = [KernelArg::U64(mems[r].addr(bufs[r])), KernelArg::U64(mems[r].addr(regions[r])), KernelArg::U32(r as u32)];
+                    launch_with_peers(module, P2pAllReduceParams::ENTRY, [1, 1, 1], [256, 1, 1], 0, &args, &mems[r], &peers).unwrap();
+                });
+            }
+        });
+        let want = rank_order_sum(&parts, bf16);
+        for (r, (m, &b)) in mems.iter().zip(&bufs).enumerate() {
+            let got = floats(&m.read(b), bf16);
+            let off = got.iter().zip(&want).filter(|(g, w)| g.to_bits() != w.to_bits()).count();
+            assert_eq!(off, 0, "{ranks} ranks, {n} values (bf16 {bf16}), round {round}: rank {r} differs from the rank-order sum in {off} values");
+            // the epoch advanced once per all-reduce
+            let epoch = u32::from_le_bytes(m.read(regions[r])[layout.epoch() as usize..][..4].try_into().unwrap());
+            assert_eq!(epoch as usize, round + 1);
+        }
+    }
+}
+
+#[test]
+fn sums_in_rank_order_on_every_rank_round_after_round() {
+    // GLM-5's decode all-reduce (one token of hidden 6144, BF16) over 8 and 2 ranks, four rounds
+    // (each slot twice)
+    all_reduce_rounds(8, 6144, true, 4, 1);
+    all_reduce_rounds(2, 6144, true, 4, 2);
+    // 3 ranks, F32, one 16-byte chunk and the 64 KiB limit
+    all_reduce_rounds(3, 4, false, 3, 3);
+    all_reduce_rounds(3, (P2P_MAX_BYTES / 4) as usize, false, 2, 4);
+}
+
+#[test]
+fn a_rank_does_not_read_a_peer_it_cannot_address() {
+    // without peer access (no peers passed) the first peer access faults instead of hanging
+    let layout = P2pLayout { ranks: 2 };
+    let params = P2pAllReduceParams { arch: 120, ranks: 2, bytes: 64, bf16: 0, slot: P2P_MAX_BYTES as u32, flags: layout.flags() as u32, slots: layout.slots() as u32, threads: 64 };
+    let module = Module::parse(&params.render().unwrap(), "p2p_all_reduce.ptx").unwrap();
+    let mut mine = GlobalMemory::with_base(GLOBAL_BASE + (1 << 40));
+    let mut other = GlobalMemory::with_base(GLOBAL_BASE + (2 << 40));
+    let (b, reg) = (mine.alloc("buf", 64), mine.alloc("p2p region", layout.bytes() as usize));
+    let other_reg = other.alloc("p2p region", layout.bytes() as usize);
+    let table: Vec<u8> = [mine.addr(reg), other.addr(other_reg)].iter().flat_map(|a| a.to_le_bytes()).collect();
+    mine.write(reg, 0, &table);
+    let args = [KernelArg::U64(mine.addr(b)), KernelArg::U64(mine.addr(reg)), KernelArg::U32(0)];
+    let err = launch_with_peers(&module, P2pAllReduceParams::ENTRY, [1, 1, 1], [64, 1, 1], 0, &args, &mine, &[]).unwrap_err().to_string();
+    assert!(err.contains("not in any global buffer"), "{err}");
+}
