@@ -52,6 +52,7 @@ fn nvfp4_case(c: &Nvfp4Case, arch: u32, seed: u64) -> (LaunchStats, u64, Vec<f32
         silu: c.silu as u32,
         tasks: tasks as u32,
         tasks_per_block: TASKS_PER_BLOCK,
+        wpc: 1,
         unroll: 4,
         threads: THREADS,
         x_bf16: c.x_bf16 as u32,
@@ -67,6 +68,12 @@ fn nvfp4_case(c: &Nvfp4Case, arch: u32, seed: u64) -> (LaunchStats, u64, Vec<f32
     for unroll in [1, 3] {
         let (_, got_unroll) = run_gemv(&LinearNvfp4GemvParams { unroll, ..params }, &bytes(&x, c.x_bf16), &packed, &scales, &s2, &input_scale);
         assert_eq!(bits(&got_unroll), bits(&got), "sm_{arch}a: unroll {unroll} differs from 4");
+    }
+    // 2, 4 and 8 warps sharing a task (few tasks at batch 1) sum in another order: held to the CPU
+    for per_block in [4, 2, 1] {
+        let shared = LinearNvfp4GemvParams { tasks_per_block: per_block, wpc: MIN_TASKS_PER_BLOCK / per_block, unroll: 3, ..params };
+        let (_, got_shared) = run_gemv(&shared, &bytes(&x, c.x_bf16), &packed, &scales, &s2, &input_scale);
+        check(&format!("nvfp4 gemv sm_{arch}a M={m} parts={:?} K={k} silu={}, {} warps per task", c.parts, c.silu, shared.wpc), c.out_bf16, &got_shared, &want);
     }
     if k == 16 && !c.silu {
         // One block per row: both sides sum the same exact products once, so any difference
@@ -121,7 +128,7 @@ fn nvfp4_gemv_quantises_edge_values_like_the_cpu() {
         let mut want = vec![0f32; m * n];
         reference::linear_nvfp4(&x, m, &packed, &scales, k, &[n], &[s2], &[input_scale], kiln_runtime::plan::Epilogue::None, false, &mut want);
         for arch in [120, 90] {
-            let params = LinearNvfp4GemvParams { arch, m: m as u32, n: n as u32, k: k as u32, n0: n as u32, parts: 1, silu: 0, tasks: n as u32, tasks_per_block: TASKS_PER_BLOCK, unroll: 4, threads: THREADS, x_bf16: 0, out_bf16: 0 };
+            let params = LinearNvfp4GemvParams { arch, m: m as u32, n: n as u32, k: k as u32, n0: n as u32, parts: 1, silu: 0, tasks: n as u32, tasks_per_block: TASKS_PER_BLOCK, wpc: 1, unroll: 4, threads: THREADS, x_bf16: 0, out_bf16: 0 };
             let (_, got) = run_gemv(&params, &bytes(&x, false), &packed, &scales, &[s2], &[input_scale]);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert!(g.to_bits() == w.to_bits(), "sm_{arch}a input_scale {input_scale}: row {} column {}: {g} vs the CPU's {w}", i / n, i % n);

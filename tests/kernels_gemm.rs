@@ -185,6 +185,10 @@ fn split_k_nvfp4_gemm_matches_the_cpu_for_decode_sized_m() {
         // K a multiple of 64 (scale words), two parts, f32 activations
         c(17, vec![24, 40], 640, false, false, false, true, nv_split(2, 2)),
         c(32, vec![136, 136], 192, true, true, true, false, nv_split(2, 2)),
+        // several row blocks (batch 64: 2 of 32 rows, 4 of 16; 50 rows: a partial last block)
+        c(64, vec![40, 40], 320, true, true, true, false, nv_split(2, 2)),
+        c(64, vec![72], 272, false, true, false, false, nv_split(1, 4)),
+        c(50, vec![24, 40], 640, false, false, false, true, nv_split(1, 2)),
     ];
     for (i, case) in cases.iter().enumerate() {
         for arch in [120, 90] {
@@ -279,7 +283,12 @@ fn split_k_bf16_gemm_matches_the_cpu_for_decode_sized_m() {
         (32, 72, 520, true, true, 2, 4),
         (17, 24, 8, false, false, 2, 2),
         (50, 40, 200, false, false, 4, 4),
-        (64, 48, 136, true, true, 4, 2), // decode batch 64, as bf16_gemm_form picks it for q_a
+        (64, 48, 136, true, true, 4, 2),
+        // several row blocks: 2 of 32 rows (q_a at batch 64), 4 of 16 (the indexer's head
+        // weights at batch 64), and a partial last one (50 = 32 + 18)
+        (64, 48, 136, true, true, 2, 4),
+        (64, 40, 264, true, false, 1, 1),
+        (50, 48, 520, false, true, 2, 2),
     ];
     for (i, &(m, n, k, x_bf16, out_bf16, mt, nt)) in cases.iter().enumerate() {
         bf16_case(m, n, k, x_bf16, out_bf16, split(mt, nt), 800 + i as u64);

@@ -179,17 +179,22 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, u64) {
     let stats = launch(&module, IndexerTopkParams::ENTRY, [n_tok as u32, 1, 1], [THREADS, 1, 1], smem, &args, &mut g).unwrap();
     let got: Vec<i32> = g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
     // Decode's split: scores over a grid of 1, 3 or one block per tile per token (each block
-    // looping over its tiles), then the selection alone: the same lists, bit for bit.
-    let tiles = positions_per_seq.div_ceil(THREADS as usize) as u32;
-    for blocks_y in [1, 3.min(tiles), tiles] {
-        let (score, select) = (IndexerTopkParams { mode: 1, ..p }, IndexerTopkParams { mode: 2, ..p });
+    // looping over its tiles of 256 positions, or of 64 as the lowering's scoring blocks), then
+    // the selection alone: the same lists, bit for bit.
+    let score_threads = (c.heads.next_multiple_of(32) as u32).max(64);
+    let grids = |threads: u32| {
+        let tiles = positions_per_seq.div_ceil(threads as usize) as u32;
+        [(threads, 1), (threads, 3.min(tiles)), (threads, tiles)]
+    };
+    for (threads, blocks_y) in grids(THREADS).into_iter().chain(grids(score_threads)) {
+        let (score, select) = (IndexerTopkParams { mode: 1, threads, ..p }, IndexerTopkParams { mode: 2, ..p });
         let ms = Module::parse(&score.render().unwrap(), "indexer_topk.ptx").unwrap();
         let mt = Module::parse(&select.render().unwrap(), "indexer_topk.ptx").unwrap();
         g.write(bo, 0, &vec![0u8; n_tok * c.topk * 4]);
-        launch(&ms, IndexerTopkParams::ENTRY, [n_tok as u32, blocks_y, 1], [THREADS, 1, 1], score.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+        launch(&ms, IndexerTopkParams::ENTRY, [n_tok as u32, blocks_y, 1], [threads, 1, 1], score.dynamic_smem().unwrap(), &args, &mut g).unwrap();
         launch(&mt, IndexerTopkParams::ENTRY, [n_tok as u32, 1, 1], [THREADS, 1, 1], select.dynamic_smem().unwrap(), &args, &mut g).unwrap();
         let split: Vec<i32> = g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-        assert!(split == got, "top-{}: scoring on {blocks_y} block(s) per token, then selecting, differs from the fused kernel", c.topk);
+        assert!(split == got, "top-{}: scoring on {blocks_y} block(s) of {threads} threads per token, then selecting, differs from the fused kernel", c.topk);
     }
     for t in 0..n_tok {
         let (a, b) = (&got[t * c.topk..(t + 1) * c.topk], &want[t * c.topk..(t + 1) * c.topk]);

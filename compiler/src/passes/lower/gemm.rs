@@ -19,12 +19,11 @@ use kiln_runtime::plan::{LinearWeights, Op};
 pub const GEMM_BM: usize = 64;
 /// Weight rows (output columns; half of them gate and half up with SiLU-mul) per block.
 pub const GEMM_BN: usize = 128;
-/// Largest M of the NVFP4 split-K form (every block reads and quantises all M activation rows).
-const SPLIT_MAX_M: usize = 32;
+/// Largest M of the NVFP4 split-K form (blocks of 16 or 32 rows; larger M takes several row
+/// blocks, each quantising its own rows).
+const SPLIT_MAX_M: usize = 64;
 /// Largest M of the BF16 split-K form (4 m16 tiles per warp).
 const BF16_SPLIT_MAX_M: usize = 64;
-/// Blocks the split-K forms aim for (their blocks narrow to get there).
-const SPLIT_MIN_BLOCKS: usize = 64;
 
 /// Shared memory a block may take so that two blocks share an SM (100 KiB per SM, 1 KiB of it
 /// reserved per block): one block loads or quantises while the other runs its mmas.
@@ -78,9 +77,40 @@ pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Const
         let (gx, gy) = (n.div_ceil(bn) as f64, m.div_ceil(bm) as f64);
         candidate_us((n * k * 2) as f64 * gy, (m * k * x_bytes) as f64 * gx, 0.0, gx * gy, consts)
     };
-    let mt = m.div_ceil(16) as u32;
-    let candidates = [4, 2, 1].map(|nt| Bf16Form { split: 1, mt, nt });
+    // every split width with all rows in one block, then with 32 or 16 rows per block (a few
+    // weight rows at batch 64: more row blocks fill SMs that one block of 64 rows leaves idle)
+    let all_rows = m.div_ceil(16) as u32;
+    let mts = [all_rows, 2, 1].into_iter().filter(|&mt| mt <= all_rows);
+    let candidates: Vec<Bf16Form> = mts.flat_map(|mt| [4, 2, 1].map(|nt| Bf16Form { split: 1, mt, nt })).collect();
     candidates.into_iter().chain([tiled]).fold(None, |best: Option<Bf16Form>, f| match best {
+        Some(b) if cost(&b) <= cost(&f) => Some(b),
+        _ => Some(f),
+    })
+    .unwrap_or(tiled)
+}
+
+/// The NVFP4 GEMM's form for M x K over the widest part's `rows` (gate/up pairs with SiLU-mul):
+/// `(split, mt, nt)`, split-K blocks of 16*MT rows x 8*NT weight rows (4*NT pairs), or tiled 64
+/// x 128. Up to 64 rows the split widths, their 16- and 32-row blocks and the tiled form are
+/// costed with [`candidate_us`] as the BF16 form is (weights once per row block, activations
+/// once per column block); the cheapest wins (ties: the earlier). At batch 64 the shared
+/// expert's 256 gate/up pairs become 64 split blocks of 16 pairs x 32 rows instead of 4 tiled ones.
+pub fn nvfp4_gemm_form(m: usize, rows: usize, k: usize, silu: bool, x_bf16: bool, consts: &Constants) -> (u32, u32, u32) {
+    let tiled = (0, 1, 2);
+    if m > SPLIT_MAX_M {
+        return tiled;
+    }
+    let per_row = (if silu { 2 } else { 1 }) * k * 9 / 16;
+    let x = m * k * if x_bf16 { 2 } else { 4 };
+    let cost = |&(split, mt, nt): &(u32, u32, u32)| {
+        let (bm, bn) = if split == 1 { (16 * mt as usize, (if silu { 4 } else { 8 }) * nt as usize) } else { (GEMM_BM, if silu { GEMM_BN / 2 } else { GEMM_BN }) };
+        let (gx, gy) = (rows.div_ceil(bn) as f64, m.div_ceil(bm) as f64);
+        candidate_us((rows * per_row) as f64 * gy, x as f64 * gx, 0.0, gx * gy, consts)
+    };
+    let all_rows = m.div_ceil(16).min(2) as u32;
+    let mts = [all_rows, 1].into_iter().filter(|&mt| mt <= all_rows);
+    let candidates: Vec<(u32, u32, u32)> = mts.flat_map(|mt| [4, 2].map(|nt| (1, mt, nt))).chain([tiled]).collect();
+    candidates.into_iter().fold(None, |best: Option<(u32, u32, u32)>, f| match best {
         Some(b) if cost(&b) <= cost(&f) => Some(b),
         _ => Some(f),
     })
@@ -158,13 +188,13 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
                 x_bf16,
                 out_bf16,
             };
-            // Decode-sized M: the split-K form, 16 or 32 rows by 8*NT weight rows per block, wide
-            // enough blocks to keep the activations' re-reads down, narrow enough for many blocks.
-            let (base, bm, bn) = if m <= SPLIT_MAX_M {
-                let per_block = |nt: usize| if silu { 4 * nt } else { 8 * nt };
-                let widest = parts.iter().map(|q| q.rows).max().unwrap_or(0);
-                let nt = if widest.div_ceil(per_block(4)) >= SPLIT_MIN_BLOCKS { 4 } else { 2 };
-                (LinearNvfp4GemmParams { split: 1, mt: u(m.div_ceil(16)), nt: u(nt), ks: 1, nbuf: 2, ..base }, 16 * m.div_ceil(16), per_block(nt))
+            // Decode-sized M: the split-K form, 16 or 32 rows by 8*NT weight rows per block, as the
+            // byte model prefers (nvfp4_gemm_form).
+            let widest = parts.iter().map(|q| q.rows).max().unwrap_or(0);
+            let (split, mt, nt) = nvfp4_gemm_form(m, widest, k, silu, x_bf16 == 1, &cx.consts);
+            let (base, bm, bn) = if split == 1 {
+                let per_block = if silu { 4 * nt as usize } else { 8 * nt as usize };
+                (LinearNvfp4GemmParams { split: 1, mt, nt, ks: 1, nbuf: 2, ..base }, 16 * mt as usize, per_block)
             } else {
                 (base, GEMM_BM, if silu { GEMM_BN / 2 } else { GEMM_BN })
             };
@@ -189,21 +219,37 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{bf16_gemm_form, nvfp4_stages, ring, Bf16Form};
+    use super::{bf16_gemm_form, nvfp4_gemm_form, nvfp4_stages, ring, Bf16Form};
     use kiln_runtime::perf::Constants;
 
     #[test]
     fn bf16_decode_gemms_pick_the_form_the_byte_model_prefers() {
         // GLM-5 tp8 q_a (2,048 x 6144) at decode batch 64 on 188 SMs: 16 tiled blocks draw
-        // 16/188 of the bandwidth for 37.8 MB, 444 MB-equivalents; split-K 16 rows wide makes 128
-        // blocks for 125.8 MB at 0.68, 185; 8 or 32 wide cost 226 and 222.
-        assert_eq!(bf16_gemm_form(64, 2048, 6144, true, &Constants::SM120A), Bf16Form { split: 1, mt: 4, nt: 2 });
+        // 16/188 of the bandwidth for 37.8 MB, 444 MB-equivalents; split-K blocks of all 64 rows
+        // and 16 weight rows make 128 blocks for 125.8 MB at 0.68, 185; two row blocks of 32
+        // rows and 32 weight rows make 128 blocks for 100.7 MB, 148.
+        assert_eq!(bf16_gemm_form(64, 2048, 6144, true, &Constants::SM120A), Bf16Form { split: 1, mt: 2, nt: 4 });
         // Prefill is always tiled, 128 rows per block with BF16 activations.
         assert_eq!(bf16_gemm_form(2048, 2048, 6144, true, &Constants::SM120A), Bf16Form { split: 0, mt: 4, nt: 1 });
         assert_eq!(bf16_gemm_form(2048, 2048, 6144, false, &Constants::SM120A), Bf16Form { split: 0, mt: 2, nt: 1 });
         // The lm_head slice (19,360 rows) at 32 tokens: the widest split blocks re-read the
         // activations 605 times; 128-wide tiles read them 152 times and still fill the GPU.
         assert_eq!(bf16_gemm_form(32, 19_360, 6144, true, &Constants::SM120A), Bf16Form { split: 0, mt: 2, nt: 1 });
+        // The indexer's 32 head-weight rows at batch 64: one 64-row block per 8 weight rows is 4
+        // blocks (3.5 MB at 4/188: 109 µs); 16-row blocks make 16 (4.7 MB at 16/188: 36 µs).
+        assert_eq!(bf16_gemm_form(64, 32, 6144, true, &Constants::SM120A), Bf16Form { split: 1, mt: 1, nt: 1 });
+    }
+
+    #[test]
+    fn nvfp4_decode_gemms_pick_the_form_the_byte_model_prefers() {
+        // GLM-5 tp8 shared expert gate/up (256 pairs of K = 6144, 1.77 MB) at batch 64: 4 tiled
+        // blocks (4.9 MB at 4/188: 151 µs) against split blocks of 16 rows and 8 pairs (4 x 32
+        // blocks: the weights 4 times, the 0.79 MB of x 32 times, 32.3 MB at 128/188: 31 µs)
+        assert_eq!(nvfp4_gemm_form(64, 256, 6144, true, true, &Constants::SM120A), (1, 1, 2));
+        // batch 8: one row block
+        assert_eq!(nvfp4_gemm_form(8, 256, 6144, true, true, &Constants::SM120A).1, 1);
+        // prefill stays tiled
+        assert_eq!(nvfp4_gemm_form(128, 256, 6144, true, true, &Constants::SM120A), (0, 1, 2));
     }
 
     #[test]

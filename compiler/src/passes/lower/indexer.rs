@@ -2,7 +2,7 @@
 //!
 //! Prefill: one block per token scores and selects (`indexer_topk.ptx` MODE 0). Decode, where
 //! that leaves all but a few SMs idle (measured on an H200: 0.55 ms per layer at 8k context),
-//! scores in one launch of a block per (token, THREADS positions) into the op's `scores` scratch
+//! scores in one launch of a block per (token, 64 positions) into the op's `scores` scratch
 //! (MODE 1) and selects in a second, one block per token (MODE 2). Scores are bit-identical to
 //! the CPU's either way, so the selected positions are exact. The two scales are computed here
 //! exactly as the CPU does.
@@ -13,6 +13,9 @@ use kiln_runtime::plan::{DType, Op};
 
 /// Static shared memory of the template (radix histogram + 4 counters).
 const STATIC_SMEM: usize = 256 * 4 + 16;
+
+/// Threads (= positions per tile) of decode's scoring blocks.
+const SCORE_THREADS: u32 = 64;
 
 /// Candidate buffer entries for a top-k of `p2` (its power of two): room for the `topk` kept
 /// plus at least one tile of `THREADS` new candidates (and at least `p2` of them, so compactions
@@ -82,15 +85,18 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         return Ok(vec![of(&params, tokens as u32, args.launch_args())]);
     }
     let positions = kv.pages_per_seq * kv.page_size;
+    // Scoring blocks of 64 threads (one position each; at least a thread per head for the head
+    // weights): tiles of 64 positions, so a batch-1 step at 8k context fills 128 blocks, not 32.
     // Blocks per token: enough for two per SM over the batch, never more than the tiles of the
     // longest context; each loops over its tiles (the grid is fixed at graph capture, the context
     // is not, and blocks past a short context only exit).
-    let tiles = positions.div_ceil(THREADS as usize);
+    let score_threads = (heads.next_multiple_of(32) as u32).max(SCORE_THREADS);
+    let tiles = positions.div_ceil(score_threads as usize);
     let per_token = (2 * cx.consts.sms as usize).div_ceil(tokens).clamp(1, tiles) as u32;
-    let score = IndexerTopkParams { mode: 1, ..params };
+    let score = IndexerTopkParams { mode: 1, threads: score_threads, ..params };
     let select = IndexerTopkParams { mode: 2, ..params };
     Ok(vec![
-        of_grid(&score, [tokens as u32, per_token, 1], THREADS, args.launch_args()),
+        of_grid(&score, [tokens as u32, per_token, 1], score_threads, args.launch_args()),
         of(&select, tokens as u32, args.launch_args()),
     ])
 }

@@ -381,7 +381,10 @@ fn instance(cx: &Cx, op: &Op) -> Result<Instance, String> {
                     // a task is one output column: one weight row, or a gate and an up row
                     let task_bytes = (if silu { 2 } else { 1 }) * k * 9 / 16;
                     let staged = m * k * if x_bf16 == 1 { 2 } else { 4 };
-                    let tasks_per_block = gemv_tasks_per_block(tasks, task_bytes, staged, MIN_TASKS_PER_BLOCK, &cx.consts);
+                    // warps share a task only while its 16-value blocks and the task sums fit
+                    let sums = (silu as usize + 1) * m * THREADS as usize / 8;
+                    let shared = m <= 8 && k >= 16 * 32 * MIN_TASKS_PER_BLOCK as usize && fits(parts.len() * m * (k * 2 + k / 4) + 16 + sums, smem_limit, "").is_ok();
+                    let tasks_per_block = gemv_tasks_per_block(tasks, task_bytes, staged, if shared { 1 } else { MIN_TASKS_PER_BLOCK }, &cx.consts);
                     let params = LinearNvfp4GemvParams {
                         arch,
                         m: m as u32,
@@ -392,6 +395,7 @@ fn instance(cx: &Cx, op: &Op) -> Result<Instance, String> {
                         silu: silu as u32,
                         tasks: tasks as u32,
                         tasks_per_block,
+                        wpc: (MIN_TASKS_PER_BLOCK / tasks_per_block).max(1),
                         unroll: loads_ahead(m),
                         threads: THREADS,
                         x_bf16,
