@@ -3,7 +3,8 @@
 # sm_120a, H200 / sm_90a), in minutes:
 #   kiln doctor -> synthesise + compile the demo model and the golden tiny models for the GPU's
 #   arch -> kiln verify --backend cuda (step by step against the CPU) -> kiln logits cuda vs cpu
-#   (prefill and --decode, rel-L2 per row) -> the trained demo model writes the CPU's reply ->
+#   (prefill and --decode, rel-L2 per row) -> with 2+ GPUs, the P2P and NCCL all-reduce paths give
+#   the same bits -> the trained demo model writes the CPU's reply ->
 #   GLM-5's own layer shapes (`synth glm5 --layers 5`, TP 1) decoded at ~2k and ~8k context
 #   against `kiln inspect --perf`, per-kernel times under ncu where installed -> kiln serve
 #   --backend cuda + kiln bench at several concurrencies -> decode tok/s of cuda and cpu in the
@@ -173,6 +174,21 @@ import json, sys; d = json.load(sys.stdin); d.pop("rel_l2"); print(json.dumps(d)
     fi
   done
 done
+
+# ---- the all-reduce paths (2+ GPUs): the one-shot P2P kernel, which start-up takes where every
+# GPU pair passes the peer probe, and NCCL (KILN_P2P=off) must give the same logits bit for bit
+# (both sum in rank order in f32); the log names the path taken and why
+if [ "$tp" -ge 2 ]; then
+  if run allreduce-p2p 120 "$kiln" logits "$work/demo" --ids "$ids" --decode --backend cuda --out "$work/ar-default.st" &&
+     run allreduce-nccl 120 env KILN_P2P=off "$kiln" logits "$work/demo" --ids "$ids" --decode --backend cuda --out "$work/ar-nccl.st"; then
+    path=$(grep -o 'all-reduces up to 64 KiB: [^(]*' "$out/allreduce-p2p.log" | tail -1 | sed 's/.*KiB: //; s/ *$//')
+    same=$(cmp -s "$work/ar-default.st" "$work/ar-nccl.st" && echo true || echo false)
+    fig="{\"default_path\":\"$path\",\"same_bits_as_nccl\":$same}"
+    [ "$same" = true ] && record allreduce-paths ok "$fig" || record allreduce-paths fail "$fig"
+  else
+    record allreduce-paths fail
+  fi
+fi
 
 # ---- the trained demo model: the GPU must write the CPU backend's reply -----------------------
 # Unlike the random models above it is not chaotic: a greedy reply differing from the CPU's

@@ -387,9 +387,13 @@ fn gpu_check_on_the_double(arch: &str) {
     let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["passed"], true);
     let stages: Vec<&str> = summary["stages"].as_array().unwrap().iter().map(|s| s["stage"].as_str().unwrap()).collect();
-    for want in ["doctor", "verify-demo", "logits-demo-prefill", "logits-demo-decode", "bench-c1", "bench-c4", "startup", "decode-cuda", "decode-cpu"] {
+    for want in ["doctor", "verify-demo", "logits-demo-prefill", "logits-demo-decode", "allreduce-paths", "bench-c1", "bench-c4", "startup", "decode-cuda", "decode-cpu"] {
         assert!(stages.contains(&want), "stage {want} missing from {stages:?}");
     }
+    // the double's 8 GPUs pass the peer probe: TP 2 takes the P2P kernel, with NCCL's bits
+    let paths = summary["stages"].as_array().unwrap().iter().find(|s| s["stage"] == "allreduce-paths").unwrap();
+    assert_eq!(paths["figures"]["default_path"], "the one-shot P2P kernel");
+    assert_eq!(paths["figures"]["same_bits_as_nccl"], true);
     let prefill = summary["stages"].as_array().unwrap().iter().find(|s| s["stage"] == "logits-demo-prefill").unwrap();
     assert!(prefill["figures"]["median_rel_l2"].as_f64().unwrap() <= 1e-5);
     assert_eq!(summary["arch"], arch);

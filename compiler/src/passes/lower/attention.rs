@@ -139,7 +139,8 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let (q_bf16, out_bf16) = (float_flag(p.buffer(q).dtype, "q")?, float_flag(p.buffer(out).dtype, "the output")?);
     // split-KV decode where the op has the scratch and the geometry fits mla_split
     let split_cap = if p.buffer(partials).shape.len() == 3 { p.buffer(partials).shape[1] } else { 0 };
-    let split = split_cap > 0
+    // (the combine launch holds 64 splits' states in a warp: attention_splits_cap stays <= 64)
+    let split = (1..=64).contains(&split_cap)
         && k > 0
         && nope % 8 == 0
         && nope <= 256
