@@ -252,6 +252,7 @@ fn rmsnorm_matches_the_cpu_with_and_without_residual() {
             src_bf16: if res { res_bf16 } else { x_bf16 } as u32,
             w_bf16: 1,
             out_bf16: out_bf16 as u32,
+            cb: 1,
         };
         let module = Module::parse(&params.render().unwrap(), "rmsnorm.ptx").unwrap();
         let mut g = GlobalMemory::new();
@@ -261,9 +262,34 @@ fn rmsnorm_matches_the_cpu_with_and_without_residual() {
         let bo = g.alloc("out", rows * h * if out_bf16 { 2 } else { 4 });
         let args = vec![KernelArg::U64(g.addr(bx)), KernelArg::U64(g.addr(br)), KernelArg::U64(g.addr(bw)), KernelArg::U64(g.addr(bo)), KernelArg::F32(1e-6)];
         launch(&module, RmsnormParams::ENTRY, [rows as u32, 1, 1], [THREADS, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
-        check(&format!("rmsnorm rows={rows} H={h} residual={res}"), out_bf16, &floats(&g.read(bo), out_bf16), &want);
+        let one_block = g.read(bo);
+        check(&format!("rmsnorm rows={rows} H={h} residual={res}"), out_bf16, &floats(&one_block, out_bf16), &want);
         if res {
             check("rmsnorm residual", res_bf16, &floats(&g.read(br), res_bf16), &want_res);
+        }
+        // column blocks (RES = 0): every block sums the whole row as one does, so the same bits;
+        // with a residual, the lowering's add (residual += x) first, then the norm of the residual
+        for cb in [2u32, 3, (h as u32).div_ceil(THREADS)] {
+            let cols = RmsnormParams { cb, res: 0, x_bf16: params.src_bf16, ..params };
+            let module = Module::parse(&cols.render().unwrap(), "rmsnorm.ptx").unwrap();
+            let bs = if res {
+                let bs = g.alloc_bytes("residual2", &bytes(&residual, res_bf16));
+                let bx2 = g.alloc_bytes("x2", &bytes(&x, x_bf16));
+                let n = rows * h;
+                let grid = (n as u32).div_ceil(THREADS).clamp(1, ELEMENTWISE_MAX_GRID);
+                let add = AddParams { arch: 120, n: n as u32, grid, threads: THREADS, a_bf16: res_bf16 as u32, b_bf16: x_bf16 as u32, out_bf16: res_bf16 as u32 };
+                let m = Module::parse(&add.render().unwrap(), "add.ptx").unwrap();
+                let a = [bs, bx2, bs].map(|b| KernelArg::U64(g.addr(b)));
+                launch(&m, AddParams::ENTRY, [grid, 1, 1], [THREADS, 1, 1], 0, &a, &mut g).unwrap();
+                assert_eq!(g.read(bs), g.read(br), "the add's residual differs from the rmsnorm's");
+                bs
+            } else {
+                g.alloc_bytes("source", &bytes(&x, x_bf16))
+            };
+            let bo2 = g.alloc("out2", rows * h * if out_bf16 { 2 } else { 4 });
+            let args = vec![KernelArg::U64(g.addr(bs)), KernelArg::U64(g.addr(bs)), KernelArg::U64(g.addr(bw)), KernelArg::U64(g.addr(bo2)), KernelArg::F32(1e-6)];
+            launch(&module, RmsnormParams::ENTRY, [rows as u32, cb, 1], [THREADS, 1, 1], cols.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+            assert_eq!(g.read(bo2), one_block, "rmsnorm rows={rows} H={h} residual={res}: {cb} column blocks differ from one block");
         }
     }
 }

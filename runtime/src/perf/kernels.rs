@@ -143,9 +143,10 @@ pub fn launch_cost(plan: &Plan, step: &Step, li: usize, load: &Load) -> Result<C
             c.write(t * h * p.size("OUT_BF16")?);
         }
         "rmsnorm" => {
-            // one block per row (padding rows too), each loading the weight
+            // one block per row (padding rows too), each loading the weight; CB column blocks
+            // each read the whole row and their columns of the weight
             let (rows, h) = (p.v("ROWS")?, p.v("H")?);
-            c.read(Class::Activations, rows * h * p.size("X_BF16")?, 1.0);
+            c.read(Class::Activations, rows * h * p.size("X_BF16")?, p.v("CB")?);
             if p.v("RES")? == 1.0 {
                 let rs = p.size("RES_BF16")?;
                 c.read(Class::Activations, rows * h * rs, 1.0);

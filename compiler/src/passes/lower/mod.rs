@@ -15,12 +15,13 @@ mod collective;
 mod gemm;
 mod indexer;
 mod moe;
+mod norm;
 mod router;
 
 pub use gemm::{bf16_gemm_form, Bf16Form};
 pub use moe::{down_cols, gate_up_cols};
 
-use crate::kernels::{AddArgs, AddParams, EmbedArgs, EmbedParams, GatherRowsArgs, GatherRowsParams, LinearBf16GemvArgs, LinearBf16GemvParams, LinearNvfp4GemvArgs, LinearNvfp4GemvParams, KernelParams, Ptr, RmsnormArgs, RmsnormParams};
+use crate::kernels::{AddArgs, AddParams, EmbedArgs, EmbedParams, GatherRowsArgs, GatherRowsParams, LinearBf16GemvArgs, LinearBf16GemvParams, LinearNvfp4GemvArgs, LinearNvfp4GemvParams, KernelParams, Ptr};
 use crate::CompileError;
 use kiln_runtime::perf::{launch_time, Bytes, Constants, Cost, Flops};
 use kiln_runtime::plan::{
@@ -203,10 +204,10 @@ pub fn lower(plan: &mut Plan) -> Result<(), CompileError> {
     verify_launches(plan, smem_limit)
 }
 
-/// Whether a step of family `step` may launch a kernel of family `kernel`: its own, or for the
-/// router the BF16 linear that computes its gate product.
+/// Whether a step of family `step` may launch a kernel of family `kernel`: its own, for the
+/// router the BF16 linear that computes its gate product, for an rmsnorm the residual's add.
 fn may_launch(step: KernelFamily, kernel: KernelFamily) -> bool {
-    kernel == step || (step == KernelFamily::Router && kernel == KernelFamily::LinearBf16)
+    kernel == step || (step == KernelFamily::Router && kernel == KernelFamily::LinearBf16) || (step == KernelFamily::RmsNorm && kernel == KernelFamily::Add)
 }
 
 /// The verifier after lowering: every launch names a kernel of the plan, passes as many
@@ -299,6 +300,7 @@ fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         Op::IndexerTopK { .. } => indexer::instances(cx, op),
         Op::MlaAttention { .. } => attention::instances(cx, op),
         Op::AllReduce { .. } => collective::instances(cx, op),
+        Op::RmsNorm { .. } => norm::instances(cx, op),
         Op::MoeExperts { .. } => moe::instances(cx, op),
         Op::Router { .. } => router::instances(cx, op),
         Op::Linear { .. } => match instance(cx, op) {
@@ -312,36 +314,6 @@ fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
 fn instance(cx: &Cx, op: &Op) -> Result<Instance, String> {
     let (plan, p, arch, smem_limit) = (cx.plan, cx.program, cx.arch, cx.smem_limit);
     match *op {
-        Op::RmsNorm { input, residual, weight, eps, out } => {
-            let h = width(p, out);
-            let rows = numel(p, out) / h.max(1);
-            fits(h * 4 + 128, smem_limit, &format!("rmsnorm over {h} values"))?;
-            let x_bf16 = float_flag(p.buffer(input).dtype, "the input")?;
-            let res_bf16 = match residual {
-                Some(r) => float_flag(p.buffer(r).dtype, "the residual")?,
-                None => 0,
-            };
-            let params = RmsnormParams {
-                arch,
-                rows: rows as u32,
-                h: h as u32,
-                threads: THREADS,
-                x_bf16,
-                res: residual.is_some() as u32,
-                res_bf16,
-                src_bf16: if residual.is_some() { res_bf16 } else { x_bf16 },
-                w_bf16: float_flag(plan.weight(weight).dtype, "the weight")?,
-                out_bf16: float_flag(p.buffer(out).dtype, "the output")?,
-            };
-            let args = RmsnormArgs {
-                x: Ptr::Buffer(input),
-                residual: Ptr::Buffer(residual.unwrap_or(input)),
-                weight: Ptr::Weight(weight),
-                out: Ptr::Buffer(out),
-                eps,
-            };
-            Ok(of(&params, rows as u32, args.launch_args()))
-        }
         Op::Linear { input, ref weights, ref parts, k, epilogue, out } => {
             let m = numel(p, input) / k.max(1);
             if m > GEMV_MAX_M {
