@@ -116,14 +116,17 @@ impl EmuBackend {
                     let kernel = plan.kernel(l.kernel);
                     let module = &self.modules[l.kernel.0 as usize];
                     let devices = &self.devices;
+                    // every rank's arguments first: a rank that cannot start must not leave the
+                    // others waiting for its flags
+                    let args: Vec<Vec<KernelArg>> = devices.iter().map(|d| l.args.iter().map(|a| d.arg(plan, program, *a)).collect::<Result<Vec<_>, String>>()).collect::<Result<_, _>>().map_err(at)?;
                     let results: Vec<Result<(), String>> = std::thread::scope(|sc| {
                         let handles: Vec<_> = devices
                             .iter()
-                            .map(|d| {
+                            .zip(&args)
+                            .map(|(d, args)| {
                                 sc.spawn(move || {
-                                    let args = l.args.iter().map(|a| d.arg(plan, program, *a)).collect::<Result<Vec<_>, String>>()?;
                                     let peers: Vec<&GlobalMemory> = devices.iter().filter(|o| o.rank != d.rank).map(|o| &o.mem).collect();
-                                    emu::launch_with_peers(module, &kernel.entry, l.grid, l.block, l.smem_dynamic, &args, &d.mem, &peers).map(|_| ()).map_err(|e| format!("{} on rank {}: {e}", kernel.name, d.rank))
+                                    emu::launch_with_peers(module, &kernel.entry, l.grid, l.block, l.smem_dynamic, args, &d.mem, &peers).map(|_| ()).map_err(|e| format!("{} on rank {}: {e}", kernel.name, d.rank))
                                 })
                             })
                             .collect();

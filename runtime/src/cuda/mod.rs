@@ -137,7 +137,11 @@ fn p2p_choice(ranks: usize) -> Result<(bool, String), RuntimeError> {
         Ok("auto") | Err(_) => {}
         Ok(other) => return Err(RuntimeError::Unsupported { message: format!("KILN_P2P={other:?}: expected `auto` (the default: the P2P all-reduce where every GPU pair passes the peer probe) or `off` (NCCL only)") }),
     }
-    let probes = p2p::probe(ranks)?;
+    // a probe that cannot run (e.g. no memory left for its buffers) leaves NCCL, not a failure
+    let probes = match p2p::probe(ranks) {
+        Ok(p) => p,
+        Err(e) => return Ok((false, format!("the peer probe could not run: {e}"))),
+    };
     match probes.iter().find(|p| p.result != p2p::PeerResult::Ok) {
         None => Ok((true, format!("all {} GPU pairs passed the peer write-and-verify probe", probes.len()))),
         Some(p) => Ok((false, format!("GPU {} -> GPU {}: {:?} in the peer probe (`kiln doctor` shows every pair)", p.from, p.to, p.result))),
