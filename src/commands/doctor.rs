@@ -11,7 +11,9 @@ use std::path::PathBuf;
 /// Reports the CUDA driver (the CUDA version it supports), NCCL, every GPU (name, compute
 /// capability, SMs, memory, PCI address and PCIe link), and a peer-to-peer write-and-verify
 /// probe between every GPU pair: 1 MiB is copied from one GPU into the other and read back,
-/// because the capability bit alone can lie (VMs, IOMMU/ACS setups drop peer writes). Given an
+/// because the capability bit alone can lie (VMs, IOMMU/ACS setups drop peer writes); `--backend
+/// cuda` runs the same probe at start-up and uses its one-shot P2P all-reduce only where every
+/// pair passes (`KILN_P2P=off`: NCCL only). Given an
 /// artifact, says whether this machine can run it and, if not, why (GPU count, compute
 /// capability, memory, driver version). Exits non-zero when there is no usable GPU, a probe
 /// lost data, or the artifact cannot run here.
