@@ -52,7 +52,6 @@ fn nvfp4_case(c: &Nvfp4Case, arch: u32, seed: u64) -> (LaunchStats, u64, Vec<f32
         silu: c.silu as u32,
         tasks: tasks as u32,
         tasks_per_block: TASKS_PER_BLOCK,
-        wpc: 1,
         unroll: 4,
         threads: THREADS,
         x_bf16: c.x_bf16 as u32,
@@ -71,9 +70,9 @@ fn nvfp4_case(c: &Nvfp4Case, arch: u32, seed: u64) -> (LaunchStats, u64, Vec<f32
     }
     // 2, 4 and 8 warps sharing a task (few tasks at batch 1) sum in another order: held to the CPU
     for per_block in [4, 2, 1] {
-        let shared = LinearNvfp4GemvParams { tasks_per_block: per_block, wpc: MIN_TASKS_PER_BLOCK / per_block, unroll: 3, ..params };
+        let shared = LinearNvfp4GemvParams { tasks_per_block: per_block, unroll: 3, ..params };
         let (_, got_shared) = run_gemv(&shared, &bytes(&x, c.x_bf16), &packed, &scales, &s2, &input_scale);
-        check(&format!("nvfp4 gemv sm_{arch}a M={m} parts={:?} K={k} silu={}, {} warps per task", c.parts, c.silu, shared.wpc), c.out_bf16, &got_shared, &want);
+        check(&format!("nvfp4 gemv sm_{arch}a M={m} parts={:?} K={k} silu={}, {} warps per task", c.parts, c.silu, MIN_TASKS_PER_BLOCK / per_block), c.out_bf16, &got_shared, &want);
     }
     if k == 16 && !c.silu {
         // One block per row: both sides sum the same exact products once, so any difference
@@ -128,7 +127,7 @@ fn nvfp4_gemv_quantises_edge_values_like_the_cpu() {
         let mut want = vec![0f32; m * n];
         reference::linear_nvfp4(&x, m, &packed, &scales, k, &[n], &[s2], &[input_scale], kiln_runtime::plan::Epilogue::None, false, &mut want);
         for arch in [120, 90] {
-            let params = LinearNvfp4GemvParams { arch, m: m as u32, n: n as u32, k: k as u32, n0: n as u32, parts: 1, silu: 0, tasks: n as u32, tasks_per_block: TASKS_PER_BLOCK, wpc: 1, unroll: 4, threads: THREADS, x_bf16: 0, out_bf16: 0 };
+            let params = LinearNvfp4GemvParams { arch, m: m as u32, n: n as u32, k: k as u32, n0: n as u32, parts: 1, silu: 0, tasks: n as u32, tasks_per_block: TASKS_PER_BLOCK, unroll: 4, threads: THREADS, x_bf16: 0, out_bf16: 0 };
             let (_, got) = run_gemv(&params, &bytes(&x, false), &packed, &scales, &[s2], &[input_scale]);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert!(g.to_bits() == w.to_bits(), "sm_{arch}a input_scale {input_scale}: row {} column {}: {g} vs the CPU's {w}", i / n, i % n);
@@ -211,7 +210,7 @@ fn bf16_gemv_matches_the_cpu_on_ragged_shapes() {
         // a warp per column (wide and narrow blocks), then 2, 4 and 8 warps sharing a column
         for (tasks_per_block, unroll) in [(TASKS_PER_BLOCK, 4), (MIN_TASKS_PER_BLOCK, 1), (MIN_TASKS_PER_BLOCK, 3), (4, 4), (2, 2), (1, 3)] {
             let wpc = (MIN_TASKS_PER_BLOCK / tasks_per_block).max(1);
-            let params = LinearBf16GemvParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, tasks_per_block, wpc, unroll, threads: THREADS, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32 };
+            let params = LinearBf16GemvParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, tasks_per_block, unroll, threads: THREADS, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32 };
             let module = Module::parse(&params.render().unwrap(), "linear_bf16_gemv.ptx").unwrap();
             let mut g = GlobalMemory::new();
             let bx = g.alloc_bytes("x", &bytes(&x, x_bf16));
@@ -429,7 +428,7 @@ fn run_router(x: &[f32], tokens: usize, h: usize, gate: &[u8], bias: &[f32], r: 
     let bx = g.alloc_bytes("x", &bytes(x, x_bf16));
     let bg = g.alloc_bytes("gate", gate);
     let bl = g.alloc("logits", tokens * r.experts * 4);
-    let product = LinearBf16GemvParams { arch: 120, m: tokens as u32, n: r.experts as u32, k: h as u32, tasks_per_block: MIN_TASKS_PER_BLOCK, wpc: 1, unroll: 4, threads: THREADS, x_bf16: x_bf16 as u32, out_bf16: 0 };
+    let product = LinearBf16GemvParams { arch: 120, m: tokens as u32, n: r.experts as u32, k: h as u32, tasks_per_block: MIN_TASKS_PER_BLOCK, unroll: 4, threads: THREADS, x_bf16: x_bf16 as u32, out_bf16: 0 };
     let module = Module::parse(&product.render().unwrap(), "linear_bf16_gemv.ptx").unwrap();
     let args: Vec<KernelArg> = [bx, bg, bl].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
     launch(&module, LinearBf16GemvParams::ENTRY, [(r.experts as u32).div_ceil(MIN_TASKS_PER_BLOCK), 1, 1], [THREADS, 1, 1], product.dynamic_smem().unwrap(), &args, &mut g).unwrap();

@@ -121,6 +121,12 @@ impl GlobalMemory {
         self.bufs[id.0].words.is_some()
     }
 
+    /// Whether `addr` lies in this memory's address range (its buffers, freed ones and guard
+    /// gaps included): two comparisons, so a GPU with peers tells its own accesses apart cheaply.
+    pub fn owns(&self, addr: u64) -> bool {
+        self.bufs.first().is_some_and(|b| addr >= b.base) && addr < self.next
+    }
+
     /// The live buffer holding address `addr`, and the offset of `addr` in it.
     pub fn buffer_at(&self, addr: u64) -> Option<(BufferId, usize)> {
         let i = self.bufs.partition_point(|b| b.base <= addr);

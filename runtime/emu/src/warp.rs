@@ -31,13 +31,14 @@ pub struct LaunchCtx<'a> {
 }
 
 impl LaunchCtx<'_> {
-    /// The memory holding `addr`: this GPU's, else the peer's that has a buffer there (an
-    /// address in neither faults in this GPU's memory, naming it).
+    /// The memory whose address range holds `addr`: this GPU's, else a peer's (an address in
+    /// neither faults in this GPU's memory, naming it). Every global access asks: a range check,
+    /// the buffer lookup stays the memory's own.
     pub fn memory(&self, addr: u64) -> &GlobalMemory {
-        if self.peers.is_empty() || self.global.buffer_at(addr).is_some() {
+        if self.peers.is_empty() || self.global.owns(addr) {
             return self.global;
         }
-        self.peers.iter().copied().find(|m| m.buffer_at(addr).is_some()).unwrap_or(self.global)
+        self.peers.iter().copied().find(|m| m.owns(addr)).unwrap_or(self.global)
     }
 }
 

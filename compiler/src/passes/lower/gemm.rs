@@ -81,12 +81,17 @@ pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Const
     // weight rows at batch 64: more row blocks fill SMs that one block of 64 rows leaves idle)
     let all_rows = m.div_ceil(16) as u32;
     let mts = [all_rows, 2, 1].into_iter().filter(|&mt| mt <= all_rows);
-    let candidates: Vec<Bf16Form> = mts.flat_map(|mt| [4, 2, 1].map(|nt| Bf16Form { split: 1, mt, nt })).collect();
-    candidates.into_iter().chain([tiled]).fold(None, |best: Option<Bf16Form>, f| match best {
-        Some(b) if cost(&b) <= cost(&f) => Some(b),
-        _ => Some(f),
+    let candidates = mts.flat_map(|mt| [4, 2, 1].map(|nt| Bf16Form { split: 1, mt, nt }));
+    cheapest(candidates.chain([tiled]), cost).unwrap_or(tiled)
+}
+
+/// The candidate of least `cost` (ties: the earlier).
+fn cheapest<F>(candidates: impl Iterator<Item = F>, cost: impl Fn(&F) -> f64) -> Option<F> {
+    candidates.map(|f| (cost(&f), f)).fold(None, |best: Option<(f64, F)>, (c, f)| match best {
+        Some((bc, b)) if bc <= c => Some((bc, b)),
+        _ => Some((c, f)),
     })
-    .unwrap_or(tiled)
+    .map(|(_, f)| f)
 }
 
 /// The NVFP4 GEMM's form for M x K over the widest part's `rows` (gate/up pairs with SiLU-mul):
@@ -109,12 +114,8 @@ pub fn nvfp4_gemm_form(m: usize, rows: usize, k: usize, silu: bool, x_bf16: bool
     };
     let all_rows = m.div_ceil(16).min(2) as u32;
     let mts = [all_rows, 1].into_iter().filter(|&mt| mt <= all_rows);
-    let candidates: Vec<(u32, u32, u32)> = mts.flat_map(|mt| [4, 2].map(|nt| (1, mt, nt))).chain([tiled]).collect();
-    candidates.into_iter().fold(None, |best: Option<(u32, u32, u32)>, f| match best {
-        Some(b) if cost(&b) <= cost(&f) => Some(b),
-        _ => Some(f),
-    })
-    .unwrap_or(tiled)
+    let candidates = mts.flat_map(|mt| [4, 2].map(|nt| (1, mt, nt)));
+    cheapest(candidates.chain([tiled]), cost).unwrap_or(tiled)
 }
 
 pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {

@@ -136,6 +136,19 @@ pub fn gemv_tasks_per_block(tasks: usize, task_bytes: usize, block_bytes: usize,
     best
 }
 
+/// The fewest columns per GEMV block: 1 (warps share a column) when the rows are few (a sum per
+/// row and warp), a column's `chunks` (what a lane loads at once: 8 BF16 weights, or an NVFP4 block
+/// of 16) give each of the 8 warps at
+/// least a lane round, and the block's shared memory with the warps' sums (`smem` bytes) fits;
+/// else a warp per column.
+fn gemv_min_per_block(m: usize, chunks: usize, smem: usize, smem_limit: u32) -> u32 {
+    if m <= 8 && chunks >= 32 * MIN_TASKS_PER_BLOCK as usize && smem <= smem_limit as usize {
+        1
+    } else {
+        MIN_TASKS_PER_BLOCK
+    }
+}
+
 /// Attaches launches to the steps of every program and fills `plan.kernels`; fails if any step
 /// is left without a kernel. Deterministic: kernels are numbered in order of first use.
 pub fn lower(plan: &mut Plan) -> Result<(), CompileError> {
@@ -327,8 +340,7 @@ fn instance(cx: &Cx, op: &Op) -> Result<Instance, String> {
                     bf16_linear_shape(k, epilogue, "GEMV")?;
                     let staged = m * k * if x_bf16 == 1 { 2 } else { 4 };
                     fits(staged, smem_limit, &format!("a BF16 GEMV with M = {m}, K = {k}"))?;
-                    // warps share a column only while its chunks and the column sums fit
-                    let min_per_block = if m <= 8 && k >= 8 * 32 * MIN_TASKS_PER_BLOCK as usize && fits(staged + m * THREADS as usize / 8, smem_limit, "").is_ok() { 1 } else { MIN_TASKS_PER_BLOCK };
+                    let min_per_block = gemv_min_per_block(m, k / 8, staged + m * THREADS as usize / 8, smem_limit);
                     let tasks_per_block = gemv_tasks_per_block(n, 2 * k, staged, min_per_block, &cx.consts);
                     let params = LinearBf16GemvParams {
                         arch,
@@ -336,7 +348,6 @@ fn instance(cx: &Cx, op: &Op) -> Result<Instance, String> {
                         n: n as u32,
                         k: k as u32,
                         tasks_per_block,
-                        wpc: (MIN_TASKS_PER_BLOCK / tasks_per_block).max(1),
                         unroll: loads_ahead(m),
                         threads: THREADS,
                         x_bf16,
@@ -353,10 +364,9 @@ fn instance(cx: &Cx, op: &Op) -> Result<Instance, String> {
                     // a task is one output column: one weight row, or a gate and an up row
                     let task_bytes = (if silu { 2 } else { 1 }) * k * 9 / 16;
                     let staged = m * k * if x_bf16 == 1 { 2 } else { 4 };
-                    // warps share a task only while its 16-value blocks and the task sums fit
                     let sums = (silu as usize + 1) * m * THREADS as usize / 8;
-                    let shared = m <= 8 && k >= 16 * 32 * MIN_TASKS_PER_BLOCK as usize && fits(parts.len() * m * (k * 2 + k / 4) + 16 + sums, smem_limit, "").is_ok();
-                    let tasks_per_block = gemv_tasks_per_block(tasks, task_bytes, staged, if shared { 1 } else { MIN_TASKS_PER_BLOCK }, &cx.consts);
+                    let min_per_block = gemv_min_per_block(m, k / 16, parts.len() * m * (k * 2 + k / 4) + 16 + sums, smem_limit);
+                    let tasks_per_block = gemv_tasks_per_block(tasks, task_bytes, staged, min_per_block, &cx.consts);
                     let params = LinearNvfp4GemvParams {
                         arch,
                         m: m as u32,
@@ -367,7 +377,6 @@ fn instance(cx: &Cx, op: &Op) -> Result<Instance, String> {
                         silu: silu as u32,
                         tasks: tasks as u32,
                         tasks_per_block,
-                        wpc: (MIN_TASKS_PER_BLOCK / tasks_per_block).max(1),
                         unroll: loads_ahead(m),
                         threads: THREADS,
                         x_bf16,
