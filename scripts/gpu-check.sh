@@ -2,8 +2,9 @@
 # The one check of kiln's whole CUDA path on whatever GPU this machine has (RTX PRO 6000 /
 # sm_120a, H200 / sm_90a), in minutes:
 #   kiln doctor -> synthesise + compile the demo model and the golden tiny models for the GPU's
-#   arch -> kiln verify --backend cuda (step by step against the CPU) -> kiln logits cuda vs cpu
-#   (prefill and --decode, rel-L2 per row) -> with 2+ GPUs, the P2P and NCCL all-reduce paths give
+#   arch -> kiln verify --backend cuda (every program, step by step against the CPU) -> kiln
+#   logits cuda vs cpu (prefill and --decode, rel-L2 per row) -> compute-sanitizer memcheck and
+#   racecheck where installed -> with 2+ GPUs, the P2P and NCCL all-reduce paths give
 #   the same bits -> the trained demo model writes the CPU's reply ->
 #   GLM-5's own layer shapes (`synth glm5 --layers 5`, TP 1) decoded at ~2k and ~8k context
 #   against `kiln inspect --perf`, per-kernel times under ncu where installed -> kiln serve
@@ -175,6 +176,24 @@ import json, sys; d = json.load(sys.stdin); d.pop("rel_l2"); print(json.dumps(d)
   done
 done
 
+# ---- sanitizers, where compute-sanitizer is installed: memcheck and racecheck over the demo
+# model's prefill (34 tokens: its 64-token program, whose GEMMs take several row blocks) and
+# decode. Any error or hazard fails the stage (racecheck's warnings included: on an H200 they
+# named the router's unordered shared-memory read and write).
+san=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -1)
+if [ "$double" = 0 ] && [ "$quick" = 0 ] && [ -n "$san" ]; then
+  san_ids=$(seq -s, 1 3 100 | sed 's/,$//')
+  for tool in memcheck racecheck; do
+    for mode in prefill decode; do
+      flag=(); [ "$mode" = decode ] && flag=(--decode)
+      run "sanitize-$tool-$mode" 90 "$san" --tool "$tool" --error-exitcode 3 "$kiln" logits "$work/demo" --ids "$san_ids" "${flag[@]}" \
+        --backend cuda --out "$work/sanitize.st" && st=ok || st=fail
+      summary=$(grep -a -o 'ERROR SUMMARY: .*\|RACECHECK SUMMARY: .*' "$out/sanitize-$tool-$mode.log" | tail -1 | tr -d '"')
+      record "sanitize-$tool-$mode" "$st" "{\"summary\":\"$summary\"}"
+    done
+  done
+fi
+
 # ---- the all-reduce paths (2+ GPUs): the one-shot P2P kernel, which start-up takes where every
 # GPU pair passes the peer probe, and NCCL (KILN_P2P=off) must give the same logits bit for bit
 # (both sum in rank order in f32); the log names the path taken and why
@@ -321,7 +340,7 @@ record startup ok "$startup"
 tokens=$(( quick || double ? 4 : 128 ))
 for b in cuda cpu; do
   if run "decode-$b" 120 "$kiln" run "$work/demo" --backend "$b" --prompt "The quick brown fox" --max-tokens "$tokens"; then
-    tps=$(grep -Eo '[0-9.]+ tok(ens)?/s' "$out/decode-$b.log" | tail -1 | grep -Eo '^[0-9.]+')
+    tps=$(grep -aEo '[0-9.]+ tok(ens)?/s' "$out/decode-$b.log" | tail -1 | grep -Eo '^[0-9.]+')
     record "decode-$b" ok "{\"tokens\":$tokens,\"tok_s\":${tps:-null}}"
   else
     record "decode-$b" fail

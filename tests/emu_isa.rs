@@ -803,6 +803,25 @@ fn execution_faults_name_the_line_and_instruction() {
 }
 
 #[test]
+fn a_launch_that_writes_what_it_reads_through_nc_fails() {
+    // .nc data must stay unchanged for the whole kernel (PTX ISA, ld .nc): a GPU may serve it
+    // from a non-coherent cache. The error names the word: offset 0 in the first kernel, 4 in
+    // the second.
+    let e = launch_err("errors.ptx", "nc_after_write", 64, &[16]);
+    assert!(e.contains("reads buffer 'buf0' + 0 with ld.global.nc and also writes it"), "{e}");
+    let m = module("errors.ptx");
+    let two_blocks = |plain: u32| {
+        let mut g = GlobalMemory::new();
+        let id = g.alloc("buf0", 16);
+        launch(&m, "nc_other_block_writes", [2, 1, 1], [32, 1, 1], 0, &[ptr(&g, id), KernelArg::U32(plain)], &mut g).map_err(|e| e.to_string())
+    };
+    let e = two_blocks(0).unwrap_err();
+    assert!(e.contains("nc_other_block_writes") && e.contains("reads buffer 'buf0' + 4 with ld.global.nc"), "{e}");
+    // a coherent load of the written word, and .nc of a word nobody writes, are fine
+    two_blocks(1).unwrap();
+}
+
+#[test]
 fn unsupported_instruction_is_a_parse_error_with_line() {
     let p = ptx_path("unsupported.ptx");
     let e = Module::parse(&std::fs::read_to_string(&p).unwrap(), "unsupported.ptx").unwrap_err().to_string();

@@ -10,7 +10,7 @@
 mod common;
 
 use kiln_compiler::kernels::IndexerTopkParams;
-use kiln_compiler::passes::lower::{SMEM_LIMIT, THREADS};
+use kiln_compiler::passes::lower::{SELECT_THREADS, SMEM_LIMIT, THREADS};
 use kiln_runtime::cpu::reference::{self, Cache, TokenInputs};
 use kiln_runtime::cpu::rope::Rope;
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
@@ -23,8 +23,8 @@ const LATENT: usize = 64;
 const THETA: f64 = 10000.0;
 
 /// Candidate buffer entries, as the lowering (`passes/lower/indexer.rs`) sizes it.
-fn capacity(p2: usize) -> usize {
-    (p2 + p2.max(THREADS as usize)).next_multiple_of(2)
+fn capacity(p2: usize, threads: u32) -> usize {
+    (p2 + p2.max(threads as usize)).next_multiple_of(2)
 }
 
 fn params(heads: usize, dim: usize, rope: usize, page: usize, pps: usize, topk: usize, q_bf16: bool, w_bf16: bool) -> IndexerTopkParams {
@@ -40,7 +40,7 @@ fn params(heads: usize, dim: usize, rope: usize, page: usize, pps: usize, topk: 
         pps: pps as u32,
         topk: topk as u32,
         p2: p2 as u32,
-        cap: capacity(p2) as u32,
+        cap: capacity(p2, THREADS) as u32,
         threads: THREADS,
         q_bf16: q_bf16 as u32,
         w_bf16: w_bf16 as u32,
@@ -200,6 +200,14 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, u64) {
         let split: Vec<i32> = g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         assert!(split == got, "top-{}: scoring on {blocks_y} block(s) of {threads} threads per token, then selecting, differs from the fused kernel", c.topk);
     }
+    // The lowering's selection blocks are larger (their own candidate buffer): the same lists
+    // from the last pass's scores.
+    let wide = IndexerTopkParams { mode: 2, threads: SELECT_THREADS, cap: capacity(c.topk.next_power_of_two(), SELECT_THREADS) as u32, ..p };
+    let mw = Module::parse(&wide.render().unwrap(), "indexer_topk.ptx").unwrap();
+    g.write(bo, 0, &vec![0u8; n_tok * c.topk * 4]);
+    launch(&mw, IndexerTopkParams::ENTRY, [n_tok as u32, 1, 1], [SELECT_THREADS, 1, 1], wide.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+    let wide_got: Vec<i32> = g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    assert!(wide_got == got, "top-{}: selecting with {SELECT_THREADS} threads differs from the fused kernel", c.topk);
     for t in 0..n_tok {
         let (a, b) = (&got[t * c.topk..(t + 1) * c.topk], &want[t * c.topk..(t + 1) * c.topk]);
         assert_eq!(a, b, "token {t} (seq {}, position {}), top-{}: emulator vs CPU", c.tokens[t].0, c.tokens[t].1, c.topk);
@@ -436,7 +444,8 @@ fn the_planned_launches_of_the_tiny_model_match_the_cpu() {
         let step = program.steps.iter().find(|s| matches!(s.op, Op::IndexerTopK { .. })).expect("an indexer step");
         let Op::IndexerTopK { q, head_weights, layer, topk, scores, out } = step.op else { unreachable!() };
         let select = step.launches.last().unwrap();
-        assert_eq!((select.grid, select.block), ([program.tokens as u32, 1, 1], [THREADS, 1, 1]));
+        let select_threads = if decode { SELECT_THREADS } else { THREADS };
+        assert_eq!((select.grid, select.block), ([program.tokens as u32, 1, 1], [select_threads, 1, 1]));
 
         let (t, seqs) = (program.tokens, program.seqs);
         let heads = plan.model.index_n_heads;

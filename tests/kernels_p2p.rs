@@ -4,10 +4,12 @@
 //! a rank running ahead of its peers), BF16 and F32,
 //! 2, 3 and 8 ranks, from 16 B to the 64 KiB limit. Every rank must end with the sum bit
 //! for bit: f32 additions in rank order 0, 1, ..., rounded once (the CPU backend's all-reduce).
+//! A rank whose peer never arrives traps after SPINS polls instead of waiting forever.
 
 mod common;
 use common::{bytes, floats, randn};
 use kiln_compiler::kernels::P2pAllReduceParams;
+use kiln_compiler::passes::lower::P2P_SPINS;
 use kiln_runtime::emu::{launch_with_peers, GlobalMemory, KernelArg, Module, GLOBAL_BASE};
 use kiln_runtime::numerics::{bf16_to_f32, f32_to_bf16};
 use kiln_runtime::plan::{P2pLayout, P2P_MAX_BYTES};
@@ -37,6 +39,7 @@ fn all_reduce_rounds(ranks: usize, n: usize, bf16: bool, rounds: usize, seed: u6
         flags: layout.flags() as u32,
         slots: layout.slots() as u32,
         threads: 256,
+        spins: P2P_SPINS,
     };
     let module = Module::parse(&params.render().unwrap(), "p2p_all_reduce.ptx").unwrap();
     let mut mems: Vec<GlobalMemory> = (0..ranks).map(|r| GlobalMemory::with_base(GLOBAL_BASE + ((r as u64 + 1) << 40))).collect();
@@ -94,11 +97,12 @@ fn sums_in_rank_order_on_every_rank_round_after_round() {
     all_reduce_rounds(3, (P2P_MAX_BYTES / 4) as usize, false, 2, 4);
 }
 
-#[test]
-fn a_rank_does_not_read_a_peer_it_cannot_address() {
-    // without peer access (no peers passed) the first peer access faults instead of hanging
+/// Rank 0 of a 2-rank all-reduce of 64 B on its own simulated GPU, rank 1's GPU beside it (both
+/// regions hold the table of regions); `peer_access`: whether rank 0 may address rank 1. Rank 1
+/// never launches. Returns the launch's error and rank 1's region.
+fn rank_0_alone(spins: u32, peer_access: bool) -> (String, Vec<u8>) {
     let layout = P2pLayout { ranks: 2 };
-    let params = P2pAllReduceParams { arch: 120, ranks: 2, bytes: 64, bf16: 0, slot: P2P_MAX_BYTES as u32, flags: layout.flags() as u32, slots: layout.slots() as u32, threads: 64 };
+    let params = P2pAllReduceParams { arch: 120, ranks: 2, bytes: 64, bf16: 0, slot: P2P_MAX_BYTES as u32, flags: layout.flags() as u32, slots: layout.slots() as u32, threads: 64, spins };
     let module = Module::parse(&params.render().unwrap(), "p2p_all_reduce.ptx").unwrap();
     let mut mine = GlobalMemory::with_base(GLOBAL_BASE + (1 << 40));
     let mut other = GlobalMemory::with_base(GLOBAL_BASE + (2 << 40));
@@ -106,7 +110,27 @@ fn a_rank_does_not_read_a_peer_it_cannot_address() {
     let other_reg = other.alloc("p2p region", layout.bytes() as usize);
     let table: Vec<u8> = [mine.addr(reg), other.addr(other_reg)].iter().flat_map(|a| a.to_le_bytes()).collect();
     mine.write(reg, 0, &table);
+    other.write(other_reg, 0, &table);
     let args = [KernelArg::U64(mine.addr(b)), KernelArg::U64(mine.addr(reg)), KernelArg::U32(0)];
-    let err = launch_with_peers(&module, P2pAllReduceParams::ENTRY, [1, 1, 1], [64, 1, 1], 0, &args, &mine, &[]).unwrap_err().to_string();
+    let peers: &[&GlobalMemory] = if peer_access { &[&other] } else { &[] };
+    let err = launch_with_peers(&module, P2pAllReduceParams::ENTRY, [1, 1, 1], [64, 1, 1], 0, &args, &mine, peers).unwrap_err().to_string();
+    (err, other.read(other_reg))
+}
+
+#[test]
+fn a_rank_does_not_read_a_peer_it_cannot_address() {
+    // without peer access the first peer access faults instead of hanging
+    let (err, _) = rank_0_alone(P2P_SPINS, false);
     assert!(err.contains("not in any global buffer"), "{err}");
+}
+
+#[test]
+fn a_rank_whose_peer_never_arrives_traps_instead_of_hanging() {
+    // its peer is addressable but never announces the epoch. With a small SPINS the emulator sees
+    // the trap quickly; the plan's SPINS only makes it take seconds.
+    let (err, peer_region) = rank_0_alone(1000, true);
+    assert!(err.contains("trap"), "{err}");
+    // it announced the epoch to its peer before waiting
+    let flags = P2pLayout { ranks: 2 }.flags() as usize;
+    assert_eq!(u32::from_le_bytes(peer_region[flags..][..4].try_into().unwrap()), 1, "rank 0's flag in its peer's region");
 }

@@ -1,6 +1,6 @@
 //! Kernels in whole plans, through the binary: every kernel of the full-size GLM-5 plan
 //! (`--tp 8`, for sm_120a and sm_90a) assembles with ptxas without spills and inside the register
-//! and shared-memory budgets, and so does every kernel of the sm_90a plans of the tiny model and
+//! and shared-memory budgets and parses in the emulator, and so does every kernel of the sm_90a plans of the tiny model and
 //! the oracle goldens; `kiln verify --backend emu` on the tiny demo plan (tp 1 and 2, both
 //! targets) names no failing step; artifacts with kernels are byte-identical across compiles.
 
@@ -63,6 +63,12 @@ fn glm5_tp8_kernels_assemble_without_spills() {
             let smem = r["smem_static_bytes"].as_u64().unwrap() + k["smem_dynamic_bytes"].as_u64().unwrap();
             assert!(regs <= 255 && smem <= 101_376, "{name}: {regs} registers, {smem} B shared memory");
             assert!(plan.join("kernels").join(format!("{name}.cubin")).is_file() && plan.join("kernels").join(format!("{name}.ptx")).is_file());
+            // The emulator takes the PTX too: no construct it cannot run, and no register named
+            // as a special register (ptxas reads the special register there; the emulator would not).
+            let ptx = std::fs::read_to_string(plan.join("kernels").join(format!("{name}.ptx"))).unwrap();
+            if let Err(e) = kiln_runtime::emu::Module::parse(&ptx, &format!("{name}.ptx")) {
+                panic!("{name}: the emulator refuses its PTX: {e}");
+            }
             max_regs = max_regs.max(regs);
             max_smem = max_smem.max(smem);
         }

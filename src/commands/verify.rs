@@ -32,7 +32,9 @@ pub struct Args {
     /// every rank in turn; the byte counts are the emulator's only).
     #[arg(long, default_value = "emu", value_parser = ["emu", "cuda"])]
     backend: String,
-    /// Only this program (default: every decode program and the smallest prefill program).
+    /// Only this program, or `all` (default: every program with `--backend cuda`, where the
+    /// kernels run in milliseconds; every decode program and the smallest prefill program on the
+    /// emulator, where larger prefills take minutes).
     #[arg(long)]
     program: Option<String>,
 }
@@ -176,7 +178,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if plan.kernels.is_empty() {
         bail!("{} has no kernels (compiled for {}); verify needs a GPU target such as sm_120a", a.artifact.display(), plan.target.name);
     }
+    let all = a.program.as_deref() == Some("all") || (a.program.is_none() && a.backend == "cuda");
     let chosen: Vec<usize> = match &a.program {
+        _ if all => (0..plan.programs.len()).collect(),
         Some(name) => vec![plan.programs.iter().position(|p| &p.name == name).with_context(|| {
             format!("no program {name:?}; the plan has {}", plan.programs.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", "))
         })?],

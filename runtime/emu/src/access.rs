@@ -63,6 +63,9 @@ impl Warp {
         match space {
             Space::Global => {
                 bm.ctr.global_bytes_written += size;
+                if let Some(t) = bm.nc.as_mut() {
+                    t.note(false, addr, size);
+                }
                 lc.memory(addr).store(addr, size, v)
             }
             Space::Shared => {
@@ -84,6 +87,9 @@ impl Warp {
             Space::Global => {
                 bm.ctr.global_bytes_read += size;
                 bm.ctr.global_bytes_written += size;
+                if let Some(t) = bm.nc.as_mut() {
+                    t.note(false, addr, size);
+                }
                 lc.memory(addr).rmw(addr, size, &|old| alu::atom_apply(op, ty, old, b, c, true))
             }
             Space::Shared => {

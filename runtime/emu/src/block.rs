@@ -5,7 +5,7 @@
 //! exited). Arrival is per warp, as in the ISA.
 
 use super::memory::SharedMemory;
-use super::warp::{BlockMem, Counters, LaunchCtx, Status, Warp};
+use super::warp::{BlockMem, Counters, LaunchCtx, NcWords, Status, Warp};
 use super::EmuError;
 
 #[derive(Default, Clone)]
@@ -24,12 +24,12 @@ fn complete(b: &Barrier, live_warps: u32) -> bool {
         }
 }
 
-pub fn run_block(lc: &LaunchCtx, ctaid: [u32; 3]) -> Result<Counters, EmuError> {
+pub fn run_block(lc: &LaunchCtx, ctaid: [u32; 3]) -> Result<(Counters, Option<NcWords>), EmuError> {
     let block = lc.geo.block;
     let nthreads = block[0] * block[1] * block[2];
     let nwarps = nthreads.div_ceil(32);
     let mut warps: Vec<Warp> = (0..nwarps).map(|w| Warp::new(lc.entry, w, nwarps, block, ctaid)).collect();
-    let mut bm = BlockMem { shared: SharedMemory::new(lc.geo.smem_total as usize), ctr: Counters::default() };
+    let mut bm = BlockMem { shared: SharedMemory::new(lc.geo.smem_total as usize), ctr: Counters::default(), nc: lc.nc_check.then(NcWords::default) };
     let mut bars: Vec<Barrier> = vec![Barrier::default(); 16];
     let mut blocked = vec![false; warps.len()];
     let fail = |line: u32, msg: String| EmuError::Exec {
@@ -88,7 +88,7 @@ pub fn run_block(lc: &LaunchCtx, ctaid: [u32; 3]) -> Result<Counters, EmuError> 
             }
         }
         if warps.iter().all(|w| w.done()) {
-            return Ok(bm.ctr);
+            return Ok((bm.ctr, bm.nc));
         }
         if !progressed && !released {
             let pending: Vec<String> = bars

@@ -260,6 +260,10 @@ pub fn decode(raw: &RawInst, ctx: &DecodeCtx) -> Result<Inst, String> {
             let target = *ctx.labels.get(l).ok_or_else(|| format!("unknown label '{l}'"))?;
             Op::Bra { target, uni }
         }
+        "trap" => {
+            count(o, 0)?;
+            Op::Trap
+        }
         "ret" | "exit" => {
             m.has("uni");
             count(o, 0)?;
@@ -397,13 +401,14 @@ fn mem_ty(m: &mut Mods) -> R<Ty> {
 fn ld(m: &mut Mods, o: &[ROp], ctx: &DecodeCtx) -> R<Op> {
     mem_qualifiers(m, true)?;
     let space = space(m);
-    if m.has("nc") && space != Space::Global {
+    let nc = m.has("nc");
+    if nc && space != Space::Global {
         return Err("`.nc` needs .global".into());
     }
     let n = vec_width(m);
     let ty = mem_ty(m)?;
     count(o, 2)?;
-    Ok(Op::Ld { space, ty, d: ctx.vec_dst(&o[0], n, ty)?, addr: ctx.addr(&o[1])? })
+    Ok(Op::Ld { space, ty, d: ctx.vec_dst(&o[0], n, ty)?, addr: ctx.addr(&o[1])?, nc })
 }
 
 fn st(m: &mut Mods, o: &[ROp], ctx: &DecodeCtx) -> R<Op> {

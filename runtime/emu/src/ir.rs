@@ -409,6 +409,8 @@ pub enum Op {
         ty: Ty,
         d: Vec<Operand>,
         addr: Address,
+        /// `.nc`: through the non-coherent path, so the data must not change during the kernel.
+        nc: bool,
     },
     St {
         space: Space,
@@ -495,6 +497,8 @@ pub enum Op {
     Fence,
     /// `nanosleep`: yields the host thread.
     Nanosleep,
+    /// `trap`: the kernel aborts (on a GPU the launch fails with an error).
+    Trap,
     Shfl {
         mode: ShflMode,
         d: Operand,

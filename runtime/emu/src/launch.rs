@@ -4,7 +4,7 @@ use super::block::run_block;
 use super::memory::GlobalMemory;
 use super::parser::Module;
 use super::special::Geometry;
-use super::warp::{Counters, LaunchCtx};
+use super::warp::{Counters, LaunchCtx, NcWords};
 use super::EmuError;
 use rayon::prelude::*;
 use std::time::{Duration, Instant};
@@ -145,22 +145,48 @@ pub fn launch_params_with_peers(module: &Module, entry: &str, grid: [u32; 3], bl
         return bad(format!("{smem_total} B of shared memory per block ({} static + {smem_bytes} dynamic) exceeds the SM120 limit of {MAX_SHARED_PER_BLOCK} B", e.shared_static));
     }
     let geo = Geometry { grid, block, smem_dynamic: smem_bytes, smem_total: smem_total as u32 };
-    let lc = LaunchCtx { entry: e, global, peers, params, geo };
+    let lc = LaunchCtx { entry: e, global, peers, params, geo, nc_check: nc_check() };
     let nblocks = grid[0] as u64 * grid[1] as u64 * grid[2] as u64;
     let start = Instant::now();
     let block_of = |b: u64| {
         let ctaid = [(b % grid[0] as u64) as u32, ((b / grid[0] as u64) % grid[1] as u64) as u32, (b / (grid[0] as u64 * grid[1] as u64)) as u32];
         run_block(&lc, ctaid)
     };
-    let results: Vec<Result<Counters, EmuError>> = if nblocks == 1 { vec![block_of(0)] } else { (0..nblocks).into_par_iter().map(block_of).collect() };
+    let results: Vec<Result<(Counters, Option<NcWords>), EmuError>> = if nblocks == 1 { vec![block_of(0)] } else { (0..nblocks).into_par_iter().map(block_of).collect() };
     let elapsed = start.elapsed();
     let mut counters = Counters::default();
+    let mut nc = NcWords::default();
     for r in results {
         match r {
-            Ok(c) => counters.add(&c),
+            Ok((c, words)) => {
+                counters.add(&c);
+                if let Some(w) = words {
+                    nc.overflow |= w.overflow || nc.read.len() + nc.written.len() > 4 * NcWords::CAP;
+                    if !nc.overflow {
+                        nc.read.extend(w.read);
+                        nc.written.extend(w.written);
+                    }
+                }
+            }
             Err(EmuError::Exec { line, entry, inst, msg, .. }) => return Err(EmuError::Exec { file: module.file.clone(), line, entry, inst, msg }),
             Err(other) => return Err(other),
         }
     }
+    let stale = if nc.overflow { None } else { nc.read.iter().filter(|w| nc.written.contains(w)).min() };
+    if let Some(&word) = stale {
+        let addr = word << 2;
+        let at = match lc.memory(addr).buffer_at(addr) {
+            Some((b, off)) => format!("buffer '{}' + {off}", lc.memory(addr).name(b)),
+            None => format!("{addr:#x}"),
+        };
+        return bad(format!("it reads {at} with ld.global.nc and also writes it: .nc data must stay unchanged for the whole kernel (a GPU may serve the load from a non-coherent cache)"));
+    }
     Ok(LaunchStats { blocks: nblocks, threads_per_block: threads as u32, counters, elapsed })
+}
+
+/// Whether launches check `.nc` reads against the launch's writes: on unless
+/// `KILN_EMU_NC_CHECK=0` (it records the words each block touches, up to `NcWords::CAP`).
+fn nc_check() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KILN_EMU_NC_CHECK").map_or(true, |v| v != "0"))
 }

@@ -25,7 +25,7 @@
 //!   `.rn.bf16x2/.f16x2.f32`, `.rn.satfinite{.relu}.{e4m3x2,e2m1x2}.f32` (a → high half),
 //!   `.rn{.relu}.f16x2.{e4m3x2,e2m1x2}`;
 //! * control and sync: `@p`/`@!p`, `bra{.uni}`, `ret`, `exit`, `bar{.cta}.sync`, `barrier.sync`,
-//!   `bar.arrive`, `bar.warp.sync`, `membar`, `fence`;
+//!   `bar.arrive`, `bar.warp.sync`, `membar`, `fence`, `nanosleep`, `trap` (an execution error);
 //! * warp: `shfl.sync.{up,down,bfly,idx}`, `ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}.b16`,
 //!   `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32`,
 //!   `mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::{4X,2X}.f32.e2m1.e2m1.f32.{ue4m3,ue8m0}`

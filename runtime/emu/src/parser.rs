@@ -548,10 +548,12 @@ impl<'a> Parser<'a> {
                 }
                 for i in 0..n {
                     let full = format!("{name}{i}");
+                    reserved_check(&full).or_else(|e| self.err(line, e))?;
                     scope.insert(full.clone(), body.regs.len() as u32);
                     body.regs.push(RegInfo { name: full, ty });
                 }
             } else {
+                reserved_check(&name).or_else(|e| self.err(line, e))?;
                 scope.insert(name.clone(), body.regs.len() as u32);
                 body.regs.push(RegInfo { name, ty });
             }
@@ -704,6 +706,30 @@ impl<'a> Parser<'a> {
     }
 }
 
+/// Names PTX reserves for special registers (ISA §10). ptxas accepts a `.reg` of such a name
+/// and then reads the special register where the kernel uses it: `%pm1` declared as a predicate
+/// read performance counter 1 on an H200 (a split NVFP4 GEMM then dropped half its rows) while
+/// this emulator used the declared register. So a declaration of one is an error here.
+fn reserved_check(name: &str) -> Result<(), String> {
+    let Some(bare) = name.strip_prefix('%') else { return Ok(()) };
+    let numbered = |prefix: &str, below: u32| bare.strip_prefix(prefix).and_then(|n| n.parse::<u32>().ok()).is_some_and(|n| n < below);
+    let fixed = [
+        "tid", "ntid", "laneid", "warpid", "nwarpid", "ctaid", "nctaid", "smid", "nsmid", "gridid", "is_explicit_cluster", "clusterid", "nclusterid",
+        "cluster_ctaid", "cluster_nctaid", "cluster_ctarank", "cluster_nctarank", "lanemask_eq", "lanemask_le", "lanemask_lt", "lanemask_ge",
+        "lanemask_gt", "clock", "clock_hi", "clock64", "globaltimer", "globaltimer_lo", "globaltimer_hi", "total_smem_size", "aggr_smem_size",
+        "dynamic_smem_size", "current_graph_exec", "reserved_smem_offset_begin", "reserved_smem_offset_end", "reserved_smem_offset_cap",
+    ];
+    let counter = bare.strip_suffix("_64").unwrap_or(bare);
+    let reserved = fixed.contains(&bare)
+        || (counter.len() == 3 && counter.starts_with("pm") && counter.as_bytes()[2].is_ascii_digit() && counter.as_bytes()[2] < b'8')
+        || numbered("envreg", 32)
+        || numbered("reserved_smem_offset_", 2);
+    if reserved {
+        return Err(format!("register '{name}' is the name of PTX's special register {name}: ptxas reads the special register where the kernel uses it (rename the register)"));
+    }
+    Ok(())
+}
+
 fn show(t: &Tok) -> String {
     match t {
         Tok::Ident(s) => format!("'{s}'"),
@@ -759,6 +785,12 @@ mod tests {
         assert!(
             bad(".reg .b32 %r<2>;\nld.global.L2::cache_hint.u32 %r1, [%r0];").contains("b.ptx:7: `ld.global.L2::cache_hint.u32 %r1, [%r0];`: unsupported modifier .L2::cache_hint")
         );
+        // ptxas takes these as the special registers, whatever the declaration says
+        assert!(bad(".reg .pred %pm<4>;").contains("register '%pm0' is the name of PTX's special register %pm0"));
+        assert!(bad(".reg .b64 %pm3_64;").contains("'%pm3_64'"));
+        assert!(bad(".reg .b32 %clock;").contains("'%clock'"));
+        assert!(bad(".reg .b32 %envreg<32>;").contains("'%envreg0'"));
+        assert!(Module::parse(&format!("{HEAD}.visible .entry k()\n{{\n.reg .pred %pm8, %pmx, %prow<4>;\n.reg .b32 %envreg32, %clocks;\nret;\n}}\n"), "ok.ptx").is_ok());
         assert!(bad(".local .b8 stack[16];").contains("b.ptx:6: `.local` variables are not supported"));
         assert!(bad(".reg .b32 %r<2>;\nL: ret;\nL: ret;").contains("duplicate label 'L'"));
         assert!(bad(".reg .b32 %r<2>;\nadd.u32 %r1, %r0;").contains("expected 3 operands, found 2"));

@@ -28,6 +28,9 @@ pub struct LaunchCtx<'a> {
     pub peers: &'a [&'a GlobalMemory],
     pub params: &'a [u8],
     pub geo: Geometry,
+    /// Record `.nc` reads and global writes (`KILN_EMU_NC_CHECK`): a launch that writes a word it
+    /// also reads through `.nc` is an error.
+    pub nc_check: bool,
 }
 
 impl LaunchCtx<'_> {
@@ -68,6 +71,41 @@ impl Counters {
 pub struct BlockMem {
     pub shared: SharedMemory,
     pub ctr: Counters,
+    /// Global words this block read through `.nc` and wrote, when the launch checks `.nc`.
+    pub nc: Option<NcWords>,
+}
+
+/// 4-byte global words a block read with `ld.global.nc` and wrote (stores, atomics). PTX makes
+/// `.nc` data read-only for the whole kernel: a GPU may serve such a load from a non-coherent
+/// cache, stale if the kernel writes the word anywhere, before or after.
+///
+/// Past `NcWords::CAP` words a block stops recording and its launch goes unchecked (full-size
+/// GLM-5 launches touch hundreds of MB; the kernel tests' shapes stay far below).
+#[derive(Debug, Default)]
+pub struct NcWords {
+    pub read: std::collections::HashSet<u64>,
+    pub written: std::collections::HashSet<u64>,
+    pub overflow: bool,
+}
+
+impl NcWords {
+    pub const CAP: usize = 1 << 20;
+
+    /// Records the words of `bytes` bytes at `addr` as read through `.nc` or as written.
+    pub fn note(&mut self, nc_read: bool, addr: u64, bytes: u64) {
+        if self.overflow {
+            return;
+        }
+        let words = (addr >> 2)..=((addr + bytes.max(1) - 1) >> 2);
+        if nc_read {
+            self.read.extend(words);
+        } else {
+            self.written.extend(words);
+        }
+        if self.read.len() + self.written.len() > Self::CAP {
+            *self = NcWords { overflow: true, ..NcWords::default() };
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -426,13 +464,16 @@ impl Warp {
                     }
                 }
             }
-            Op::Ld { space, ty, d, addr } => {
+            Op::Ld { space, ty, d, addr, nc } => {
                 let size = ty.bytes() as u64;
                 let total = size * d.len() as u64;
                 for l in lanes(exec) {
                     let a = self.eff_addr(addr, *space, l)?;
                     if a % total != 0 {
                         return Err(format!("lane {l}: misaligned {total}-byte load at {a:#x}"));
+                    }
+                    if let (true, Some(t)) = (*nc, bm.nc.as_mut()) {
+                        t.note(true, a, total);
                     }
                     for (i, dst) in d.iter().enumerate() {
                         let v = self.load(lc, bm, *space, a.wrapping_add(i as u64 * size), size).map_err(|e| format!("lane {l}: {e}"))?;
@@ -521,6 +562,8 @@ impl Warp {
             }
             Op::Fence => std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst),
             Op::Nanosleep => std::thread::yield_now(),
+            Op::Trap if exec != 0 => return Err(format!("trap: lanes {exec:#010x} aborted the kernel")),
+            Op::Trap => {}
             Op::Atom { space, op, ty, d, addr, b, c } => {
                 let size = ty.bytes() as u64;
                 for l in lanes(exec) {

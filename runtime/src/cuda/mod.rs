@@ -89,15 +89,24 @@ pub struct CudaBackend {
     pub report: LoadReport,
 }
 
+/// What a GPU's worker loads: the checkpoint's weights through pinned staging of these flags, and
+/// the artifact's cubins (none: PTX through the driver's JIT).
+struct Sources {
+    files: Arc<CheckpointFiles>,
+    staging_flags: u32,
+    kernels: Option<PathBuf>,
+}
+
 /// Body of one GPU's worker thread.
-fn worker(rank: usize, plan: Arc<Plan>, files: Arc<CheckpointFiles>, kernels: Option<PathBuf>, bar: indicatif::ProgressBar, rx: Receiver<Command>, tx: Sender<(usize, Reply)>) {
+fn worker(rank: usize, plan: Arc<Plan>, sources: Sources, bar: indicatif::ProgressBar, rx: Receiver<Command>, tx: Sender<(usize, Reply)>) {
+    let Sources { files, staging_flags, kernels } = sources;
     let fail = |e: RuntimeError| {
         let _ = tx.send((rank, Reply::Failed(e.to_string())));
     };
     let opened = (|| {
         let (mut dev, opened) = RankDevice::open(rank, &plan)?;
         let t = Instant::now();
-        let bytes = dev.upload_weights(&plan, &files, &bar)?;
+        let bytes = dev.upload_weights(&plan, &files, staging_flags, &bar)?;
         let upload = t.elapsed();
         let t = Instant::now();
         let jit = dev.load_kernels(&plan, kernels.as_deref())?;
@@ -171,7 +180,7 @@ impl CudaBackend {
         let started = Instant::now();
         let machine = hardware::check(&plan)?;
         // a bad KILN_UPLOAD_STAGING is the user's setting, refused before any GPU work
-        let (_, staging) = resources::upload_staging()?;
+        let (staging_flags, staging) = resources::upload_staging()?;
         if plan.ranks() > 1 {
             hardware::require_nccl()?;
         }
@@ -192,7 +201,8 @@ impl CudaBackend {
                 .spawn(move || {
                     // A panic must still answer, or the main thread would wait for this rank forever.
                     let answer = reply_tx.clone();
-                    let run = std::panic::AssertUnwindSafe(|| worker(rank, plan, files, kernels, bar, rx, reply_tx));
+                    let sources = Sources { files, staging_flags, kernels };
+                    let run = std::panic::AssertUnwindSafe(|| worker(rank, plan, sources, bar, rx, reply_tx));
                     if std::panic::catch_unwind(run).is_err() {
                         let _ = answer.send((rank, Reply::Failed("the GPU worker panicked (a kiln bug)".into())));
                     }

@@ -5,7 +5,7 @@
 //! one CUDA graph per program.
 
 use super::hardware::{cu, gpu_error};
-use super::resources::{upload_staging, Context, DeviceBuffer, Event, Graph, Module, Pinned, Stream, WRITE_COMBINED};
+use super::resources::{Context, DeviceBuffer, Event, Graph, Module, Pinned, Stream, WRITE_COMBINED};
 use crate::bind::{fill_slot_region, CheckpointFiles};
 use crate::error::RuntimeError;
 use crate::plan::{DType, KernelInfo, Launch, LaunchArg, Op, P2pLayout, Plan, Program};
@@ -106,10 +106,10 @@ impl RankDevice {
 
     /// Fills every weight slot of this rank from the mapped checkpoint into pinned staging
     /// buffers (two, so one is copied while the next is filled) and copies them into the
-    /// arena. Returns the bytes uploaded.
-    pub fn upload_weights(&mut self, plan: &Plan, files: &CheckpointFiles, bar: &indicatif::ProgressBar) -> Result<u64, RuntimeError> {
+    /// arena (`flags`: the pinned staging's, from `KILN_UPLOAD_STAGING`). Returns the bytes
+    /// uploaded.
+    pub fn upload_weights(&mut self, plan: &Plan, files: &CheckpointFiles, flags: u32, bar: &indicatif::ProgressBar) -> Result<u64, RuntimeError> {
         let stage_len = STAGE_BYTES.min(plan.memory.weights.max(1) as usize);
-        let (flags, _) = upload_staging()?;
         let mut stager = Stager {
             stages: [Pinned::new(stage_len, flags)?, Pinned::new(stage_len, flags)?],
             events: [Event::new()?, Event::new()?],

@@ -11,6 +11,11 @@ use kiln_runtime::plan::{Op, P2pLayout, P2P_MAX_BYTES};
 /// Threads of the block: enough loads in flight for 64 KiB from each of 7 peers.
 const THREADS: u32 = 512;
 
+/// Polls of a peer's flag before the kernel traps: each is a system-scope load of local memory
+/// and a `nanosleep` of up to 200 ns, so 2^25 polls are seconds, against the microseconds a
+/// peer normally takes. A rank that never arrives becomes a launch error, not a hung graph.
+pub const P2P_SPINS: u32 = 1 << 25;
+
 pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let Op::AllReduce { buf } = *op else {
         return Ok(Vec::new());
@@ -30,6 +35,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         flags: layout.flags() as u32,
         slots: layout.slots() as u32,
         threads: THREADS,
+        spins: P2P_SPINS,
     };
     let args = P2pAllReduceArgs { buf: Ptr::Buffer(buf), region: Ptr::P2pRegion, rank: 1 };
     Ok(vec![of_grid(&params, [1, 1, 1], THREADS, args.launch_args())])

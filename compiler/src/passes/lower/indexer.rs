@@ -17,11 +17,16 @@ const STATIC_SMEM: usize = 256 * 4 + 16;
 /// Threads (= positions per tile) of decode's scoring blocks.
 const SCORE_THREADS: u32 = 64;
 
-/// Candidate buffer entries for a top-k of `p2` (its power of two): room for the `topk` kept
-/// plus at least one tile of `THREADS` new candidates (and at least `p2` of them, so compactions
-/// stay rare); even, so the f32 arrays after the buffer stay 16-byte aligned.
-pub(crate) fn candidate_capacity(p2: usize) -> usize {
-    (p2 + p2.max(THREADS as usize)).next_multiple_of(2)
+/// Threads of decode's selection block (one per token). Its loop over the scores is bound by
+/// latency, one load and two barriers per tile of this many positions (an H200 took 48 µs for
+/// 7.9k positions with 256), so it takes the most a block may have.
+pub const SELECT_THREADS: u32 = 1024;
+
+/// Candidate buffer entries for a top-k of `p2` (its power of two) in blocks of `threads`: room
+/// for the `topk` kept plus at least one tile of `threads` new candidates (and at least `p2` of
+/// them, so compactions stay rare); even, so the f32 arrays after the buffer stay 16-byte aligned.
+pub(crate) fn candidate_capacity(p2: usize, threads: u32) -> usize {
+    (p2 + p2.max(threads as usize)).next_multiple_of(2)
 }
 
 pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
@@ -47,8 +52,12 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         return Err(format!("indexer key dim {dim} (row {row}, offset {koff}, rope {}) is outside the template", kv.rope_dim));
     }
     let p2 = topk.next_power_of_two();
-    let cap = candidate_capacity(p2);
-    fits(cap * 8 + heads * dim * 4 + heads * 4 + STATIC_SMEM, cx.smem_limit, &format!("an indexer top-{topk} over {heads} x {dim}"))?;
+    let cap = candidate_capacity(p2, THREADS);
+    let select_cap = candidate_capacity(p2, SELECT_THREADS);
+    let what = format!("an indexer top-{topk} over {heads} x {dim}");
+    // the fused (and prefill) launch: candidates, q and weights; decode's selection: candidates
+    fits(cap * 8 + heads * dim * 4 + heads * 4 + STATIC_SMEM, cx.smem_limit, &what)?;
+    fits(select_cap * 8 + STATIC_SMEM, cx.smem_limit, &what)?;
     let params = IndexerTopkParams {
         arch: cx.arch,
         heads: heads as u32,
@@ -94,9 +103,10 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let tiles = positions.div_ceil(score_threads as usize);
     let per_token = (2 * cx.consts.sms as usize).div_ceil(tokens).clamp(1, tiles) as u32;
     let score = IndexerTopkParams { mode: 1, threads: score_threads, ..params };
-    let select = IndexerTopkParams { mode: 2, ..params };
+    // The selection's result is the exact top-k in key order whatever the block size.
+    let select = IndexerTopkParams { mode: 2, threads: SELECT_THREADS, cap: select_cap as u32, ..params };
     Ok(vec![
         of_grid(&score, [tokens as u32, per_token, 1], score_threads, args.launch_args()),
-        of(&select, tokens as u32, args.launch_args()),
+        of_grid(&select, [tokens as u32, 1, 1], SELECT_THREADS, args.launch_args()),
     ])
 }

@@ -18,7 +18,9 @@ mod moe;
 mod norm;
 mod router;
 
+pub use collective::P2P_SPINS;
 pub use gemm::{bf16_gemm_form, Bf16Form};
+pub use indexer::SELECT_THREADS;
 pub use moe::{down_cols, gate_up_cols};
 
 use crate::kernels::{AddArgs, AddParams, EmbedArgs, EmbedParams, GatherRowsArgs, GatherRowsParams, LinearBf16GemvArgs, LinearBf16GemvParams, LinearNvfp4GemvArgs, LinearNvfp4GemvParams, KernelParams, Ptr};
@@ -137,10 +139,9 @@ pub fn gemv_tasks_per_block(tasks: usize, task_bytes: usize, block_bytes: usize,
 }
 
 /// The fewest columns per GEMV block: 1 (warps share a column) when the rows are few (a sum per
-/// row and warp), a column's `chunks` (what a lane loads at once: 8 BF16 weights, or an NVFP4 block
-/// of 16) give each of the 8 warps at
-/// least a lane round, and the block's shared memory with the warps' sums (`smem` bytes) fits;
-/// else a warp per column.
+/// row and warp), a column's `chunks` (what a lane loads at once: 8 BF16 weights, or an NVFP4
+/// block of 16) give each of the 8 warps at least a lane round, and the block's shared memory
+/// with the warps' sums (`smem` bytes) fits; else a warp per column.
 fn gemv_min_per_block(m: usize, chunks: usize, smem: usize, smem_limit: u32) -> u32 {
     if m <= 8 && chunks >= 32 * MIN_TASKS_PER_BLOCK as usize && smem <= smem_limit as usize {
         1

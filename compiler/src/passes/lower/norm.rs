@@ -51,13 +51,15 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     };
     let args = |x| RmsnormArgs { x: Ptr::Buffer(x), residual: Ptr::Buffer(residual.unwrap_or(input)), weight: Ptr::Weight(weight), out: Ptr::Buffer(out), eps };
     let one_block = || Ok(vec![of(&params, rows as u32, args(input).launch_args())]);
+    // a RES = 0 norm of `x` over `params.cb` column blocks
+    let columns = |params: RmsnormParams, x| of_grid(&params, [rows as u32, params.cb, 1], THREADS, args(x).launch_args());
     let k = &cx.consts;
     let Some(r) = residual else {
         let (cb, _) = column_blocks(rows, h, size(x_bf16), size(w_bf16), size(out_bf16), k);
         if cb == 1 {
             return one_block();
         }
-        return Ok(vec![of_grid(&RmsnormParams { cb, ..params }, [rows as u32, cb, 1], THREADS, args(input).launch_args())]);
+        return Ok(vec![columns(RmsnormParams { cb, ..params }, input)]);
     };
     // with a residual: one block per row, or `residual += x` (an add launch: the same f32 sum
     // and rounding) then the norm of the residual over column blocks
@@ -73,6 +75,6 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let norm = RmsnormParams { res: 0, res_bf16: 0, x_bf16: res_bf16, src_bf16: res_bf16, cb, ..params };
     Ok(vec![
         of(&add, grid, AddArgs { a: Ptr::Buffer(r), b: Ptr::Buffer(input), out: Ptr::Buffer(r) }.launch_args()),
-        of_grid(&norm, [rows as u32, cb, 1], THREADS, args(r).launch_args()),
+        columns(norm, r),
     ])
 }
