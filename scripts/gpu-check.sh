@@ -111,9 +111,11 @@ preset=tiny; chunk=64; batches=1,2,4,8,16; context=512
 [ "$double" = 1 ] && { preset=micro; chunk=32; batches=1,2,4; context=128; }
 tp=1
 [ "$gpus" -ge 2 ] && { [ "$quick" = 0 ] || [ "$double" = 1 ]; } && tp=2
+# every replicated projection split behind an all-gather (nothing to split at TP 1), so that on
+# 2+ GPUs the gathers run too (P2P kernel or NCCL)
 compile() { # NAME CKPT TP [MAX-CONTEXT]
   run compile 120 "$kiln" compile "$2" --target "$arch" --tp "$3" --decode-batches "$batches" \
-    --prefill-chunk "$chunk" --max-context "${4:-$context}" -o "$work/$1"
+    --prefill-chunk "$chunk" --max-context "${4:-$context}" --split-projections all -o "$work/$1"
 }
 run synth 60 "$kiln" synth "$preset" -o "$work/tiny-ckpt" || record synth fail
 models=(demo)
@@ -194,13 +196,13 @@ if [ "$double" = 0 ] && [ "$quick" = 0 ] && [ -n "$san" ]; then
   done
 fi
 
-# ---- the all-reduce paths (2+ GPUs): the one-shot P2P kernel, which start-up takes where every
+# ---- the collective paths (2+ GPUs): the one-shot P2P kernel, which start-up takes where every
 # GPU pair passes the peer probe, and NCCL (KILN_P2P=off) must give the same logits bit for bit
-# (both sum in rank order in f32); the log names the path taken and why
+# (both sum in rank order in f32, both gather row by row); the log names the path taken and why
 if [ "$tp" -ge 2 ]; then
   if run allreduce-p2p 120 "$kiln" logits "$work/demo" --ids "$ids" --decode --backend cuda --out "$work/ar-default.st" &&
      run allreduce-nccl 120 env KILN_P2P=off "$kiln" logits "$work/demo" --ids "$ids" --decode --backend cuda --out "$work/ar-nccl.st"; then
-    path=$(grep -o 'all-reduces up to 64 KiB: [^(]*' "$out/allreduce-p2p.log" | tail -1 | sed 's/.*KiB: //; s/ *$//')
+    path=$(grep -ao 'all-gathers up to 64 KiB per GPU: [^(]*' "$out/allreduce-p2p.log" | tail -1 | sed 's/.*per GPU: //; s/ *$//')
     same=$(cmp -s "$work/ar-default.st" "$work/ar-nccl.st" && echo true || echo false)
     fig="{\"default_path\":\"$path\",\"same_bits_as_nccl\":$same}"
     [ "$same" = true ] && record allreduce-paths ok "$fig" || record allreduce-paths fail "$fig"

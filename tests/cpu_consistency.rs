@@ -146,6 +146,33 @@ fn tensor_parallel_plans_equal_tp1() {
     }
 }
 
+/// Splitting the replicated projections by output rows behind all-gathers (`--split-projections
+/// all`: q_a, kv_a and the indexer's; the tiny model is too small for `auto` to split any) moves
+/// no arithmetic: each output is the same dot product, the gather a copy. So the bits equal the
+/// replicated plan's, at F32 and with the GPU's BF16 buffers and FP4 activations, prefill and
+/// decode, at TP 2 and 8.
+#[test]
+fn split_projections_give_the_replicated_bits() {
+    let ids = prompt(40, 4);
+    let gpu_like = CpuOptions { precision: Precision::Bf16, act_quant: ActQuant::W4A4, attention: None };
+    for tp in ["2", "8"] {
+        let whole = plan(&format!("tp{tp}"), &["--tp", tp]);
+        let split = plan(&format!("tp{tp}-split"), &["--tp", tp, "--split-projections", "all"]);
+        let text = String::from_utf8(ok(&["inspect", s(&split)]).stdout).unwrap();
+        for name in ["q_a_proj", "kv_a_proj_with_mqa", "indexer.wq_b", "indexer.wk", "indexer.weights_proj"] {
+            assert!(text.lines().any(|l| l.contains(name) && l.contains("all-gathered after it")), "TP {tp}: {name} not split:\n{text}");
+        }
+        for opts in [F32, gpu_like] {
+            for decode in [false, true] {
+                let want = session(&whole, opts).logits(&ids, decode).unwrap();
+                let got = session(&split, opts).logits(&ids, decode).unwrap();
+                let off = got.iter().zip(&want).filter(|(g, w)| g.to_bits() != w.to_bits()).count();
+                assert_eq!(off, 0, "TP {tp}, {:?}, decode {decode}: {off} logits differ from the replicated plan's", opts.precision);
+            }
+        }
+    }
+}
+
 #[test]
 fn chunked_prefill_equals_one_prefill() {
     // --prefill-chunk 16: a single 16-token bucket, so 40 tokens take three chunks (16, 16, 8).

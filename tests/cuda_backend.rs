@@ -98,7 +98,9 @@ fn cuda_equals_the_emulator_bit_for_bit_at_tp1_and_tp2_prefill_and_decode() {
     let ids = ids.as_str();
     for tp in [1, 2] {
         let art = dir.join(format!("tp{tp}"));
-        compile(&golden_ckpt(), tp, &["--prefill-chunk", "32", "--decode-batches", "1,2", "--max-context", "64"], &art);
+        // every replicated projection split behind an all-gather: at TP 2 both backends run the
+        // P2P gather kernel too
+        compile(&golden_ckpt(), tp, &["--prefill-chunk", "32", "--decode-batches", "1,2", "--max-context", "64", "--split-projections", "all"], &art);
         for decode in [false, true] {
             let (cuda, log) = logits(&art, "cuda", ids, decode, &dir.join(format!("cuda{tp}{decode}.safetensors")));
             let (emu, _) = logits(&art, "emu", ids, decode, &dir.join(format!("emu{tp}{decode}.safetensors")));
@@ -106,20 +108,25 @@ fn cuda_equals_the_emulator_bit_for_bit_at_tp1_and_tp2_prefill_and_decode() {
             // Start-up reports what it measured, and at TP 2 that the all-reduces use the P2P
             // kernel (the double's peers pass the probe)
             assert!(log.contains("GB/s") && log.contains("CUDA graphs") && log.contains("allocated as planned"), "{log}");
-            assert_eq!(log.contains("all-reduces up to 64 KiB: the one-shot P2P kernel (all 2 GPU pairs passed"), tp == 2, "{log}");
+            assert_eq!(log.contains("all-reduces and all-gathers up to 64 KiB per GPU: the one-shot P2P kernel (all 2 GPU pairs passed"), tp == 2, "{log}");
         }
     }
 }
 
-/// Small all-reduces take the one-shot P2P kernel only where every GPU pair passes the peer
-/// write-and-verify probe: with `KILN_P2P=off`, or on a fabric that grants peer access but drops
-/// the writes (`KILN_DOUBLE_P2P=drop`), or without peer capability, they stay on NCCL, and every
-/// way gives the same logits (rank-order sums on all paths); a bad `KILN_P2P` is refused.
+/// Small all-reduces and all-gathers take the one-shot P2P kernel only where every GPU pair
+/// passes the peer write-and-verify probe: with `KILN_P2P=off`, or on a fabric that grants peer
+/// access but drops the writes (`KILN_DOUBLE_P2P=drop`), or without peer capability, they stay on
+/// NCCL, and every way gives the same logits (rank-order sums and row-by-row gathers on all
+/// paths), the same as the plan that keeps its projections replicated; a bad `KILN_P2P` is
+/// refused.
 #[test]
-fn p2p_all_reduce_only_where_the_peers_pass_the_probe() {
+fn p2p_collectives_only_where_the_peers_pass_the_probe() {
     let dir = scratch("p2p");
     let art = dir.join("tp2");
-    compile(&golden_ckpt(), 2, &["--prefill-chunk", "32", "--decode-batches", "1", "--max-context", "64"], &art);
+    let flags = ["--prefill-chunk", "32", "--decode-batches", "1", "--max-context", "64"];
+    compile(&golden_ckpt(), 2, &[&flags[..], &["--split-projections", "all"]].concat(), &art);
+    let replicated = dir.join("tp2-replicated");
+    compile(&golden_ckpt(), 2, &[&flags[..], &["--split-projections", "none"]].concat(), &replicated);
     let ids = "5,42,7,300,12,9";
     let mut outputs = Vec::new();
     for (env, want) in [
@@ -133,12 +140,19 @@ fn p2p_all_reduce_only_where_the_peers_pass_the_probe() {
         c.arg("logits").arg(&art).args(["--ids", ids, "--decode", "--backend", "cuda", "--out"]).arg(&out);
         let o = run_ok(c, &format!("kiln logits with {env:?}"));
         let log = String::from_utf8_lossy(&o.stderr);
-        assert!(log.contains(&format!("all-reduces up to 64 KiB: {want}")), "{env:?}: {log}");
+        assert!(log.contains(&format!("all-reduces and all-gathers up to 64 KiB per GPU: {want}")), "{env:?}: {log}");
+        // on NCCL the split projections' gathers cost more than they save, and start-up says so
+        assert_eq!(log.contains("recompile with --split-projections none"), !outputs.is_empty(), "{env:?}: {log}");
         outputs.push(std::fs::read(&out).unwrap());
     }
     for (i, o) in outputs.iter().enumerate().skip(1) {
         assert_same(&format!("path {i} against the P2P kernel"), o, &outputs[0]);
     }
+    let out = dir.join("replicated.safetensors");
+    let mut c = kiln_cuda(&[]);
+    c.arg("logits").arg(&replicated).args(["--ids", ids, "--decode", "--backend", "cuda", "--out"]).arg(&out);
+    run_ok(c, "kiln logits of the replicated plan");
+    assert_same("the replicated plan against the split one", &std::fs::read(&out).unwrap(), &outputs[0]);
     let mut c = kiln_cuda(&[("KILN_P2P", "nvlink")]);
     c.arg("logits").arg(&art).args(["--ids", "1", "--backend", "cuda", "--out"]).arg(dir.join("x.safetensors"));
     let o = c.output().unwrap();

@@ -155,7 +155,7 @@ fn every_family_has_its_template() {
             "mla_split",
             "moe_down",
             "moe_gate_up",
-            "p2p_all_reduce",
+            "p2p_collective",
             "rmsnorm",
             "router"
         ]

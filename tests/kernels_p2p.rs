@@ -1,14 +1,15 @@
-//! The one-shot P2P all-reduce template on simulated GPUs: every rank its own memory at its own
+//! The one-shot P2P collective template on simulated GPUs: every rank its own memory at its own
 //! base, each rank's launch on its own thread addressing the other ranks' memories (as peer
-//! access gives), several all-reduces back to back on each rank (both slots, the epoch advancing,
-//! a rank running ahead of its peers), BF16 and F32,
-//! 2, 3 and 8 ranks, from 16 B to the 64 KiB limit. Every rank must end with the sum bit
-//! for bit: f32 additions in rank order 0, 1, ..., rounded once (the CPU backend's all-reduce).
+//! access gives), several all-reduces and all-gathers back to back on each rank (both slots, the
+//! epoch advancing, a rank running ahead of its peers), BF16 and F32, 2, 3 and 8 ranks, from 16 B
+//! to the 64 KiB limit. Every rank must end with the sum bit for bit: f32 additions in
+//! rank order 0, 1, ..., rounded once (the CPU backend's all-reduce), or each row of every rank
+//! side by side in rank order (NCCL's all-gather row by row, the CPU backend's).
 //! A rank whose peer never arrives traps after SPINS polls instead of waiting forever.
 
 mod common;
 use common::{bytes, floats, randn};
-use kiln_compiler::kernels::P2pAllReduceParams;
+use kiln_compiler::kernels::P2pCollectiveParams;
 use kiln_compiler::passes::lower::P2P_SPINS;
 use kiln_runtime::emu::{launch_with_peers, GlobalMemory, KernelArg, Module, GLOBAL_BASE};
 use kiln_runtime::numerics::{bf16_to_f32, f32_to_bf16};
@@ -27,23 +28,46 @@ fn rank_order_sum(parts: &[Vec<f32>], bf16: bool) -> Vec<f32> {
     acc
 }
 
-fn all_reduce_rounds(ranks: usize, n: usize, bf16: bool, rounds: usize, seed: u64) {
+/// What one round of [`rounds`] runs on every rank.
+#[derive(Clone, Copy)]
+enum Round {
+    /// An all-reduce in place.
+    Reduce,
+    /// An all-gather of rows of this many values: every rank's row side by side in rank order.
+    Gather { width: usize },
+}
+
+/// Every rank runs `kinds` back to back on `n` values of its own (BF16 or F32), each round a
+/// kernel of its own sharing the one region and epoch, as the plan's collectives do.
+fn rounds(ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
     let size = if bf16 { 2 } else { 4 };
     let layout = P2pLayout { ranks: ranks as u64 };
-    let params = P2pAllReduceParams {
-        arch: 120,
-        ranks: ranks as u32,
-        bytes: (n * size) as u32,
-        bf16: bf16 as u32,
-        slot: P2P_MAX_BYTES as u32,
-        flags: layout.flags() as u32,
-        slots: layout.slots() as u32,
-        threads: 256,
-        spins: P2P_SPINS,
-    };
-    let module = Module::parse(&params.render().unwrap(), "p2p_all_reduce.ptx").unwrap();
+    let modules: Vec<Module> = kinds
+        .iter()
+        .map(|kind| {
+            let (gather, row) = match *kind {
+                Round::Reduce => (0, n * size),
+                Round::Gather { width } => (1, width * size),
+            };
+            let params = P2pCollectiveParams {
+                arch: 120,
+                ranks: ranks as u32,
+                gather,
+                bytes: (n * size) as u32,
+                row: row as u32,
+                bf16: bf16 as u32,
+                slot: P2P_MAX_BYTES as u32,
+                flags: layout.flags() as u32,
+                slots: layout.slots() as u32,
+                threads: 256,
+                spins: P2P_SPINS,
+            };
+            Module::parse(&params.render().unwrap(), "p2p_collective.ptx").unwrap()
+        })
+        .collect();
     let mut mems: Vec<GlobalMemory> = (0..ranks).map(|r| GlobalMemory::with_base(GLOBAL_BASE + ((r as u64 + 1) << 40))).collect();
     let bufs: Vec<_> = mems.iter_mut().map(|m| m.alloc("buf", n * size)).collect();
+    let outs: Vec<_> = mems.iter_mut().map(|m| m.alloc("out", ranks * n * size)).collect();
     let regions: Vec<_> = mems.iter_mut().map(|m| m.alloc("p2p region", layout.bytes() as usize)).collect();
     let table: Vec<u8> = (0..ranks).flat_map(|q| mems[q].addr(regions[q]).to_le_bytes()).collect();
     for (m, &reg) in mems.iter().zip(&regions) {
@@ -52,49 +76,78 @@ fn all_reduce_rounds(ranks: usize, n: usize, bf16: bool, rounds: usize, seed: u6
     let mut rng = Rng::new(seed);
     // every rank runs its rounds back to back, as graph replays do: a rank may be a round ahead,
     // writing the other slot and announcing the next epoch while a peer still reads this one
-    let inputs: Vec<Vec<Vec<f32>>> = (0..rounds).map(|_| (0..ranks).map(|_| randn(&mut rng, n, 1.0, bf16)).collect()).collect();
+    let inputs: Vec<Vec<Vec<f32>>> = kinds.iter().map(|_| (0..ranks).map(|_| randn(&mut rng, n, 1.0, bf16)).collect()).collect();
     let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..ranks)
             .map(|r| {
-                let (mems, module, bufs, regions, inputs) = (&mems, &module, &bufs, &regions, &inputs);
+                let (mems, modules, bufs, outs, regions, inputs) = (&mems, &modules, &bufs, &outs, &regions, &inputs);
                 s.spawn(move || {
                     let peers: Vec<&GlobalMemory> = (0..ranks).filter(|&q| q != r).map(|q| &mems[q]).collect();
-                    let args = [KernelArg::U64(mems[r].addr(bufs[r])), KernelArg::U64(mems[r].addr(regions[r])), KernelArg::U32(r as u32)];
-                    let mut out = Vec::new();
-                    for round in inputs {
+                    let (buf, region) = (mems[r].addr(bufs[r]), mems[r].addr(regions[r]));
+                    let mut results = Vec::new();
+                    for ((round, module), kind) in inputs.iter().zip(modules).zip(kinds) {
                         mems[r].write(bufs[r], 0, &bytes(&round[r], bf16));
-                        launch_with_peers(module, P2pAllReduceParams::ENTRY, [1, 1, 1], [256, 1, 1], 0, &args, &mems[r], &peers).unwrap();
-                        out.push(floats(&mems[r].read(bufs[r]), bf16));
+                        let out = match kind {
+                            Round::Reduce => bufs[r],
+                            Round::Gather { .. } => outs[r],
+                        };
+                        let args = [KernelArg::U64(buf), KernelArg::U64(mems[r].addr(out)), KernelArg::U64(region), KernelArg::U32(r as u32)];
+                        launch_with_peers(module, P2pCollectiveParams::ENTRY, [1, 1, 1], [256, 1, 1], 0, &args, &mems[r], &peers).unwrap();
+                        results.push(floats(&mems[r].read(out), bf16));
                     }
-                    out
+                    results
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    for (round, parts) in inputs.iter().enumerate() {
-        let want = rank_order_sum(parts, bf16);
+    for (round, (parts, kind)) in inputs.iter().zip(kinds).enumerate() {
+        let want = match *kind {
+            Round::Reduce => rank_order_sum(parts, bf16),
+            Round::Gather { width } => side_by_side(parts, width),
+        };
         for (r, got) in results.iter().map(|per_rank| &per_rank[round]).enumerate() {
             let off = got.iter().zip(&want).filter(|(g, w)| g.to_bits() != w.to_bits()).count();
-            assert_eq!(off, 0, "{ranks} ranks, {n} values (bf16 {bf16}), round {round}: rank {r} differs from the rank-order sum in {off} values");
+            assert_eq!(off, 0, "{ranks} ranks, {n} values (bf16 {bf16}), round {round}: rank {r} differs from the expected result in {off} values");
         }
     }
-    // the epoch advanced once per all-reduce on every rank
+    // the epoch advanced once per collective on every rank
     for (m, &reg) in mems.iter().zip(&regions) {
         let epoch = u32::from_le_bytes(m.read(reg)[layout.epoch() as usize..][..4].try_into().unwrap());
-        assert_eq!(epoch as usize, rounds);
+        assert_eq!(epoch as usize, kinds.len());
     }
+}
+
+/// NCCL's all-gather row by row (the CPU backend's): row i of the result is row i of rank 0,
+/// then of rank 1, ...
+fn side_by_side(parts: &[Vec<f32>], width: usize) -> Vec<f32> {
+    let rows = parts[0].len() / width;
+    (0..rows).flat_map(|i| parts.iter().flat_map(move |p| p[i * width..(i + 1) * width].iter().copied())).collect()
 }
 
 #[test]
 fn sums_in_rank_order_on_every_rank_round_after_round() {
+    use Round::Reduce;
     // GLM-5's decode all-reduce (one token of hidden 6144, BF16) over 8 and 2 ranks, four rounds
     // (each slot twice)
-    all_reduce_rounds(8, 6144, true, 4, 1);
-    all_reduce_rounds(2, 6144, true, 4, 2);
+    rounds(8, 6144, true, &[Reduce; 4], 1);
+    rounds(2, 6144, true, &[Reduce; 4], 2);
     // 3 ranks, F32, one 16-byte chunk and the 64 KiB limit
-    all_reduce_rounds(3, 4, false, 3, 3);
-    all_reduce_rounds(3, (P2P_MAX_BYTES / 4) as usize, false, 2, 4);
+    rounds(3, 4, false, &[Reduce; 3], 3);
+    rounds(3, (P2P_MAX_BYTES / 4) as usize, false, &[Reduce; 2], 4);
+}
+
+#[test]
+fn gathers_every_rank_row_by_row_between_all_reduces() {
+    use Round::{Gather, Reduce};
+    // GLM-5's sharded q_a at decode (2048 / 8 = 256 BF16 per rank and token): one token, then a
+    // batch of 64 (32 KiB per rank), between all-reduces on the same region and epochs
+    rounds(8, 256, true, &[Gather { width: 256 }, Reduce, Gather { width: 256 }, Reduce], 5);
+    rounds(8, 64 * 256, true, &[Gather { width: 256 }, Gather { width: 256 }, Reduce], 6);
+    // rows of one 16-byte chunk (kv_a's 72 BF16 per rank are 9), 3 ranks, F32, the 64 KiB limit
+    rounds(3, 4 * 5, false, &[Gather { width: 4 }, Reduce, Gather { width: 4 }], 7);
+    rounds(2, 72 * 3, true, &[Gather { width: 72 }; 3], 8);
+    rounds(3, (P2P_MAX_BYTES / 4) as usize, false, &[Gather { width: 1024 }, Gather { width: 1024 }], 9);
 }
 
 /// Rank 0 of a 2-rank all-reduce of 64 B on its own simulated GPU, rank 1's GPU beside it (both
@@ -102,8 +155,8 @@ fn sums_in_rank_order_on_every_rank_round_after_round() {
 /// never launches. Returns the launch's error and rank 1's region.
 fn rank_0_alone(spins: u32, peer_access: bool) -> (String, Vec<u8>) {
     let layout = P2pLayout { ranks: 2 };
-    let params = P2pAllReduceParams { arch: 120, ranks: 2, bytes: 64, bf16: 0, slot: P2P_MAX_BYTES as u32, flags: layout.flags() as u32, slots: layout.slots() as u32, threads: 64, spins };
-    let module = Module::parse(&params.render().unwrap(), "p2p_all_reduce.ptx").unwrap();
+    let params = P2pCollectiveParams { arch: 120, ranks: 2, gather: 0, bytes: 64, row: 64, bf16: 0, slot: P2P_MAX_BYTES as u32, flags: layout.flags() as u32, slots: layout.slots() as u32, threads: 64, spins };
+    let module = Module::parse(&params.render().unwrap(), "p2p_collective.ptx").unwrap();
     let mut mine = GlobalMemory::with_base(GLOBAL_BASE + (1 << 40));
     let mut other = GlobalMemory::with_base(GLOBAL_BASE + (2 << 40));
     let (b, reg) = (mine.alloc("buf", 64), mine.alloc("p2p region", layout.bytes() as usize));
@@ -111,9 +164,9 @@ fn rank_0_alone(spins: u32, peer_access: bool) -> (String, Vec<u8>) {
     let table: Vec<u8> = [mine.addr(reg), other.addr(other_reg)].iter().flat_map(|a| a.to_le_bytes()).collect();
     mine.write(reg, 0, &table);
     other.write(other_reg, 0, &table);
-    let args = [KernelArg::U64(mine.addr(b)), KernelArg::U64(mine.addr(reg)), KernelArg::U32(0)];
+    let args = [KernelArg::U64(mine.addr(b)), KernelArg::U64(mine.addr(b)), KernelArg::U64(mine.addr(reg)), KernelArg::U32(0)];
     let peers: &[&GlobalMemory] = if peer_access { &[&other] } else { &[] };
-    let err = launch_with_peers(&module, P2pAllReduceParams::ENTRY, [1, 1, 1], [64, 1, 1], 0, &args, &mine, peers).unwrap_err().to_string();
+    let err = launch_with_peers(&module, P2pCollectiveParams::ENTRY, [1, 1, 1], [64, 1, 1], 0, &args, &mine, peers).unwrap_err().to_string();
     (err, other.read(other_reg))
 }
 

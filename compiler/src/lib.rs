@@ -21,6 +21,7 @@ pub use error::CompileError;
 use checkpoint::Checkpoint;
 use kiln_runtime::plan::{MoeParallel, Parallelism, Plan, FORMAT_VERSION};
 use passes::{assemble, lower, memory, shard, specialize, verify};
+pub use passes::shard::SplitProjections;
 
 /// The most sequences one decode program may batch (and the KV plan reserve for).
 pub const MAX_DECODE_BATCH: usize = 4096;
@@ -32,6 +33,8 @@ pub struct CompileOptions {
     pub target: String,
     pub tp: usize,
     pub moe: MoeParallel,
+    /// Which replicated projections are split by output rows behind an all-gather.
+    pub split_projections: SplitProjections,
     /// Per-GPU memory to plan for (default: the target's).
     pub gpu_memory: Option<u64>,
     pub headroom: Option<u64>,
@@ -51,6 +54,7 @@ impl Default for CompileOptions {
             target: "sm_120a".into(),
             tp: 1,
             moe: MoeParallel::Tp,
+            split_projections: SplitProjections::Auto,
             gpu_memory: None,
             headroom: None,
             prefill_chunk: 8192,
@@ -120,7 +124,10 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
 
     let graph = graph::build_graph(&ckpt, &cfg)?;
     let parallel = Parallelism { tp: opts.tp, moe: opts.moe };
-    let sharded = shard::shard(graph, &cfg, &parallel)?;
+    // a CPU plan splits what the product target would (the bits are the same either way)
+    let consts = kiln_runtime::perf::Constants::for_target(&target).map_or(kiln_runtime::perf::Constants::SM120A, |(k, _)| k);
+    let split = shard::SplitPolicy { projections: opts.split_projections, consts };
+    let sharded = shard::shard(graph, &cfg, &parallel, &split)?;
     let pages_per_seq = max_context.div_ceil(memory::KV_PAGE_SIZE);
     let probe = specialize::Bucket { kind: kiln_runtime::plan::ProgramKind::Decode { batch: 1 }, tokens: 1, seqs: 1, logit_rows: 1, pages_per_seq };
     let mut slots = sharded.slots;

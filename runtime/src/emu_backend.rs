@@ -28,7 +28,7 @@ struct Device {
     /// One buffer per KV-cache layer (the GPU layout of `KvLayout`).
     kv: Vec<BufferId>,
     rope: BufferId,
-    /// The P2P all-reduce region (plans whose all-reduces have a P2P launch).
+    /// The P2P collective region (plans whose collectives have a P2P launch).
     p2p: Option<BufferId>,
 }
 
@@ -67,7 +67,7 @@ impl EmuBackend {
         let kv = &plan.memory.kv;
         let rope = Rope::plan_table_bytes(&plan);
         let workspace = plan.memory.workspace.max(4) as usize;
-        let p2p = plan.ranks() > 1 && plan.programs.iter().flat_map(|p| &p.steps).any(|s| matches!(s.op, Op::AllReduce { .. }) && !s.launches.is_empty());
+        let p2p = plan.ranks() > 1 && plan.programs.iter().flat_map(|p| &p.steps).any(|s| s.p2p_collective());
         let layout = P2pLayout { ranks: plan.ranks() as u64 };
         let mut devices: Vec<Device> = arenas
             .into_iter()
@@ -111,7 +111,7 @@ impl EmuBackend {
         for (s, step) in program.steps.iter().enumerate() {
             let at = |m: String| internal(format!("{} step {s} ({}): {m}", program.name, step.op.name()));
             match step.op {
-                Op::AllReduce { .. } if !step.launches.is_empty() && self.devices.len() > 1 => {
+                _ if step.p2p_collective() && self.devices.len() > 1 => {
                     let l = &step.launches[0];
                     let kernel = plan.kernel(l.kernel);
                     let module = &self.modules[l.kernel.0 as usize];

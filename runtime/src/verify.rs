@@ -189,7 +189,7 @@ impl<H> StepRegions<H> {
                 LaunchArg::U32(v) => ArgValue::U32(v),
                 LaunchArg::F32(v) => ArgValue::F32(v),
                 LaunchArg::PerRank(v) => ArgValue::U32(LaunchArg::per_rank(v, st.rank).ok_or_else(|| format!("rank {} x {v} overflows a u32 argument", st.rank))?),
-                LaunchArg::P2pRegion => return Err("the P2P all-reduce runs on all ranks at once, not step by step on one (tests/kernels_p2p.rs and the emulator backend run it)".into()),
+                LaunchArg::P2pRegion => return Err("a P2P collective runs on all ranks at once, not step by step on one (tests/kernels_p2p.rs and the emulator backend run it)".into()),
             });
         }
         Ok(out)

@@ -1,6 +1,6 @@
 use anyhow::Context;
 use kiln_compiler::targets::parse_bytes;
-use kiln_compiler::{compile, CompileOptions};
+use kiln_compiler::{compile, CompileOptions, SplitProjections};
 use kiln_runtime::plan::MoeParallel;
 use kiln_runtime::bind::CheckpointFiles;
 use kiln_runtime::weight_check::{hash_tensors, tensor_progress};
@@ -26,6 +26,12 @@ pub struct Args {
     /// How routed experts are split: tp (slice every expert) or ep (whole experts per GPU).
     #[arg(long, default_value = "tp", value_parser = ["tp", "ep"])]
     moe_parallel: String,
+    /// Replicated projections (q_a, kv_a, the indexer's) split by output rows, each GPU computing
+    /// its share, then all-gathered: auto (where the performance model says the weight bytes a GPU
+    /// no longer streams at batch 1 outweigh the one-shot P2P all-gather; `kiln inspect` shows
+    /// each decision and its numbers), all, or none (all replicated). Same bits either way.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "all", "none"])]
+    split_projections: String,
     /// Memory per GPU to plan for, e.g. 96GB or 40GiB (default: the target's).
     #[arg(long)]
     gpu_memory: Option<String>,
@@ -65,6 +71,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         target: a.target,
         tp: a.tp,
         moe: if a.moe_parallel == "ep" { MoeParallel::Ep } else { MoeParallel::Tp },
+        split_projections: match a.split_projections.as_str() {
+            "all" => SplitProjections::All,
+            "none" => SplitProjections::None,
+            _ => SplitProjections::Auto,
+        },
         gpu_memory: a.gpu_memory.map(|s| parse_bytes("--gpu-memory", &s)).transpose()?,
         headroom: a.headroom.map(|s| parse_bytes("--headroom", &s)).transpose()?,
         prefill_chunk: a.prefill_chunk,

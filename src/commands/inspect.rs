@@ -51,13 +51,13 @@ pub struct PerfArgs {
     /// NCCL bandwidth, GB/s [default: 40].
     #[arg(long, requires = "perf")]
     nccl_gbps: Option<f64>,
-    /// One-shot P2P all-reduce latency, µs [default: 8].
+    /// One-shot P2P all-reduce / all-gather latency, µs [default: 8].
     #[arg(long, requires = "perf")]
     p2p_base_us: Option<f64>,
-    /// One-shot P2P all-reduce bandwidth per peer, GB/s [default: 50].
+    /// One-shot P2P bandwidth per peer, GB/s [default: 50].
     #[arg(long, requires = "perf")]
     p2p_gbps: Option<f64>,
-    /// Largest all-reduce the one-shot P2P path takes, KiB [default: 64].
+    /// Largest all-reduce (all-gather: per rank) the one-shot P2P path takes, KiB [default: 64].
     #[arg(long, requires = "perf")]
     p2p_max_kib: Option<u64>,
     /// Sequences of the decode step whose launches are listed.
@@ -253,7 +253,7 @@ fn perf_text(out: &mut String, r: &perf::Report) -> std::fmt::Result {
     writeln!(out, "    NCCL            all-reduce {} µs + bytes / {} GB/s (all-gather: the same over the gathered bytes)   --nccl-base-us --nccl-gbps", k.nccl_base_us, k.nccl_gbps)?;
     writeln!(
         out,
-        "    P2P all-reduce  {} µs + (ranks - 1) x bytes / {} GB/s, up to {} KiB, where the plan has the kernel: the p2p columns   --p2p-base-us --p2p-gbps --p2p-max-kib",
+        "    P2P             {} µs + (ranks - 1) x part / {} GB/s, part = an all-reduce's bytes or an all-gather's share per rank, up to {} KiB, where the plan has the kernel: the p2p columns   --p2p-base-us --p2p-gbps --p2p-max-kib",
         k.p2p_base_us,
         k.p2p_gbps,
         k.p2p_max_bytes / 1024

@@ -7,7 +7,7 @@ use kiln_runtime::plan::{BufId, KernelFamily, LaunchArg, WeightId};
 
 /// A pointer argument: a program buffer, a weight slot, one layer of the KV cache (GPU byte
 /// layout of `KvLayout`), the RoPE table (`KvLayout::rope_table_bytes`) or the rank's P2P
-/// all-reduce region (`P2pLayout`).
+/// collective region (`P2pLayout`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ptr {
     Buffer(BufId),

@@ -1,13 +1,37 @@
 //! Tensor-parallel sharding: cuts every weight for `--tp` ranks, rewrites the ops to per-rank
 //! sizes, and inserts the collectives the cuts require (all-reduce before the first consumer of a
-//! partial sum, all-gather of vocab-split logits). Records each decision and why.
+//! partial sum, all-gather of vocab-split logits and of the replicated projections it splits by
+//! output rows where the performance model says the bytes saved outweigh the gather). Records
+//! each decision and why.
 
 use crate::error::{human_bytes, CompileError};
 use crate::graph::{Graph, GraphWeight, ShardRole};
+use kiln_runtime::perf::{collective_time, Constants};
 use kiln_runtime::plan::{
     BufId, Dim, KernelFamily, LinearWeights, ModelConfig, MoeParallel, Op, Parallelism, Shard, ShardChoice, Step,
-    TensorChoice, Transform, WeightKind, WeightSlot, WeightSource,
+    TensorChoice, Transform, WeightId, WeightKind, WeightSlot, WeightSource,
 };
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Which projections the graph replicates on every rank (q_a, kv_a, the indexer's) are instead
+/// split by output rows, each rank computing its share, and all-gathered right after.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SplitProjections {
+    /// Those where the weight bytes a rank no longer streams at batch 1 take longer than the
+    /// one-shot P2P all-gather of the output, both by the performance model's constants.
+    Auto,
+    /// Every one whose rows divide by the rank count.
+    All,
+    /// None: all stay replicated.
+    None,
+}
+
+/// How [`shard`] decides [`SplitProjections`]: the policy and the model constants `Auto` uses.
+#[derive(Debug, Clone, Copy)]
+pub struct SplitPolicy {
+    pub projections: SplitProjections,
+    pub consts: Constants,
+}
 
 /// The graph with per-rank ops and values, plus the per-rank weight slots (offsets unassigned).
 pub struct Sharded {
@@ -16,18 +40,20 @@ pub struct Sharded {
     pub choices: Vec<ShardChoice>,
 }
 
-pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism) -> Result<Sharded, CompileError> {
+pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &SplitPolicy) -> Result<Sharded, CompileError> {
     let tp = par.tp;
+    let (gathered, split_choices) = if tp > 1 { split_projections(&mut graph, tp, split) } else { (BTreeSet::new(), Vec::new()) };
     let slots = graph.weights.iter().map(|w| slot_for(w, par)).collect::<Result<Vec<_>, _>>()?;
-    let choices = choices(cfg, par, &graph, &slots);
+    let mut choices = choices(cfg, par, &graph, &slots);
     if tp == 1 {
         return Ok(Sharded { graph, slots, choices });
     }
+    choices.extend(split_choices);
     let weights = graph.weights.clone();
     let role_of = |lw: &LinearWeights| weights[lw.ids()[0].0 as usize].role;
     let mut partial = vec![false; graph.values.len()];
     let mut steps = Vec::with_capacity(graph.steps.len() * 2);
-    for mut step in std::mem::take(&mut graph.steps) {
+    for (index, mut step) in std::mem::take(&mut graph.steps).into_iter().enumerate() {
         // Complete every partial sum this op needs whole (Add is linear: it keeps partials).
         if !matches!(step.op, Op::Add { .. }) {
             for v in step.op.reads() {
@@ -38,12 +64,25 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism) -> Result<S
             }
         }
         let mut out_partial = false;
+        // (this rank's rows, the whole output) of a projection split behind an all-gather
+        let mut gather_after = None;
         match &mut step.op {
             Op::Embed { vocab_rows, .. } => {
                 *vocab_rows /= tp;
                 out_partial = true;
             }
             Op::Linear { weights, parts, k, out, .. } => match role_of(weights) {
+                ShardRole::Rows if gathered.contains(&index) => {
+                    parts.iter_mut().for_each(|p| p.rows /= tp);
+                    let mut local = graph.values[out.0 as usize].clone();
+                    local.name.push_str("_local");
+                    divide_last(&mut local.dims, tp);
+                    graph.values.push(local);
+                    partial.push(false);
+                    let local = BufId(graph.values.len() as u32 - 1);
+                    gather_after = Some((local, *out));
+                    *out = local;
+                }
                 ShardRole::Rows => {
                     parts.iter_mut().for_each(|p| p.rows /= tp);
                     divide_last(&mut graph.values[out.0 as usize].dims, tp);
@@ -89,6 +128,9 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism) -> Result<S
             partial[w.0 as usize] = out_partial;
         }
         steps.push(step);
+        if let Some((input, out)) = gather_after {
+            steps.push(Step { op: Op::AllGather { input, out }, kernel: KernelFamily::Collective, launches: Vec::new() });
+        }
     }
     // The lm_head output is vocab-split: gather the columns of every rank.
     // (The Rows branch above already cut its width to vocab / tp.)
@@ -105,6 +147,87 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism) -> Result<S
     graph.logits = out;
     graph.steps = steps;
     Ok(Sharded { graph, slots, choices })
+}
+
+/// The matrix weights of a linear (an NVFP4 linear's per-tensor scalars stay whole).
+fn matrices(lw: &LinearWeights) -> Vec<WeightId> {
+    match *lw {
+        LinearWeights::Bf16 { weight } => vec![weight],
+        LinearWeights::Nvfp4 { weight, scale, .. } => vec![weight, scale],
+    }
+}
+
+/// Decides which replicated linears to split by output rows (their matrix weights become
+/// `Rows`) and returns their steps, with one choice per projection (layers grouped) for
+/// `kiln inspect`. Auto weighs, at batch 1 (where a decode step is most bound by weight bytes),
+/// the weight bytes a rank no longer streams against the one-shot P2P all-gather of one token's
+/// output: a projection split this way must gather in a P2P kernel (its share of a row a whole
+/// number of 16-byte chunks), since NCCL's 25 µs would cost more than any of them saves.
+fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> (BTreeSet<usize>, Vec<ShardChoice>) {
+    let k = &split.consts;
+    let mut steps = BTreeSet::new();
+    // per projection name: (layers, rows, whether split, why)
+    let mut seen: BTreeMap<String, (usize, usize, bool, String)> = BTreeMap::new();
+    for (index, step) in graph.steps.iter().enumerate() {
+        let Op::Linear { weights, parts, out, .. } = &step.op else { continue };
+        let ids = matrices(weights);
+        // one part only: the gather places each rank's share of a row side by side, which for
+        // several parts would interleave them
+        if parts.len() != 1 || ids.iter().any(|id| graph.weights[id.0 as usize].role != ShardRole::Replicated) {
+            continue;
+        }
+        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        let size = graph.values[out.0 as usize].dtype.size();
+        let bytes: usize = ids.iter().map(|id| {
+            let w = &graph.weights[id.0 as usize];
+            w.pieces.len() * w.piece_shape.iter().product::<usize>() * w.dtype.size()
+        }).sum();
+        let divides = parts.iter().all(|p| p.rows % tp == 0);
+        let saved_us = bytes as f64 * (tp - 1) as f64 / tp as f64 / k.bytes_per_us();
+        let p2p_us = collective_time(false, (rows * size) as f64, tp, k).1.filter(|_| (rows / tp * size) % 16 == 0);
+        let (chosen, why) = match (split.projections, divides, p2p_us) {
+            (_, false, _) => (false, format!("its {rows} output rows do not divide by {tp}")),
+            (SplitProjections::None, ..) => (false, "--split-projections none".into()),
+            (SplitProjections::All, ..) => (true, "--split-projections all".into()),
+            (SplitProjections::Auto, true, None) => (false, format!("{} output bytes per rank and token are not whole 16-byte chunks or too many for the one-shot P2P all-gather", rows / tp * size)),
+            (SplitProjections::Auto, true, Some(gather_us)) => (
+                saved_us > gather_us,
+                format!(
+                    "at batch 1 a rank would stream {} less per layer ({saved_us:.1} µs at {} TB/s x {}) against {gather_us:.1} µs for the one-shot P2P all-gather of its {} output bytes",
+                    human_bytes((bytes - bytes / tp) as u64),
+                    k.dram_tbps,
+                    k.dram_efficiency,
+                    rows / tp * size
+                ),
+            ),
+        };
+        if chosen {
+            steps.insert(index);
+            for id in &ids {
+                graph.weights[id.0 as usize].role = ShardRole::Rows;
+            }
+        }
+        let name = projection_name(&graph.weights[ids[0].0 as usize].name);
+        seen.entry(name).and_modify(|e| e.0 += 1).or_insert((1, rows, chosen, why));
+    }
+    let choices = seen
+        .into_iter()
+        .map(|(name, (layers, rows, chosen, why))| ShardChoice {
+            what: format!("{name} ({layers} layers)"),
+            how: if chosen { format!("split by output rows, {} of {rows} per rank, all-gathered after it", rows / tp) } else { "replicated".into() },
+            why,
+        })
+        .collect();
+    (steps, choices)
+}
+
+/// `layers.3.self_attn.q_a_proj.weight` -> `layers.*.self_attn.q_a_proj`.
+fn projection_name(slot: &str) -> String {
+    let base = slot.strip_suffix(".weight").unwrap_or(slot);
+    match base.strip_prefix("layers.").and_then(|r| r.split_once('.')) {
+        Some((layer, rest)) if layer.chars().all(|c| c.is_ascii_digit()) => format!("layers.*.{rest}"),
+        _ => base.to_string(),
+    }
 }
 
 fn divide_last(dims: &mut [Dim], tp: usize) {
@@ -198,8 +321,7 @@ fn choices(cfg: &ModelConfig, par: &Parallelism, graph: &Graph, slots: &[WeightS
     let kind_bytes = |pred: &dyn Fn(&GraphWeight) -> bool| -> u64 {
         graph.weights.iter().zip(slots).filter(|(w, _)| pred(w)).map(|(_, s)| s.bytes).sum()
     };
-    let replicated_attn = kind_bytes(&|w| w.kind == WeightKind::Attention && w.role == ShardRole::Replicated);
-    let indexer = kind_bytes(&|w| w.kind == WeightKind::Indexer);
+    let norms = kind_bytes(&|w| matches!(w.kind, WeightKind::Norm | WeightKind::Indexer) && w.role == ShardRole::Replicated && w.piece_shape.len() == 1);
     let router = kind_bytes(&|w| w.kind == WeightKind::Router);
     let c = |what: &str, how: String, why: String| ShardChoice { what: what.into(), how, why };
     let mut out = vec![
@@ -209,14 +331,9 @@ fn choices(cfg: &ModelConfig, par: &Parallelism, graph: &Graph, slots: &[WeightS
             "heads are independent, so attention needs no communication inside it".into(),
         ),
         c(
-            "q_a_proj, kv_a_proj_with_mqa and their layernorms",
-            format!("replicated ({} per rank in all)", human_bytes(replicated_attn)),
-            "their outputs (q_resid, the MLA latent) feed every head and the indexer; splitting them would add two all-gathers per layer".into(),
-        ),
-        c(
-            "DSA indexer: wq_b, wk, k_norm, weights_proj",
-            format!("replicated ({} per rank)", human_bytes(indexer)),
-            "top-k needs the score summed over all indexer heads: split heads would need an all-reduce of the [tokens x context] score matrix every layer".into(),
+            "RMSNorm weights, the indexer's k_norm; the DSA indexer's top-k",
+            format!("replicated ({} per rank in all); the top-k computed whole on every rank", human_bytes(norms)),
+            "the norms are vectors; top-k needs the score summed over all indexer heads, so split heads would need an all-reduce of the [tokens x context] score matrix every layer (the projections feeding them are listed below)".into(),
         ),
         c(
             "MoE router: gate, e_score_correction_bias",

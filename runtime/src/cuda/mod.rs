@@ -25,7 +25,7 @@ use crate::bind::{weights_progress, CheckpointFiles};
 use crate::cpu::Inputs;
 use crate::error::RuntimeError;
 use crate::numerics::bytes_floats;
-use crate::plan::{DType, Plan};
+use crate::plan::{DType, Op, Plan};
 use hardware::gpu_error;
 use rank::RankDevice;
 use std::path::{Path, PathBuf};
@@ -48,7 +48,7 @@ pub struct LoadReport {
     pub memory: Vec<(u64, u64)>,
     /// Kernels loaded from PTX through the JIT because the artifact had no cubin.
     pub jit_kernels: usize,
-    /// Whether small all-reduces replay the one-shot P2P kernel (else NCCL), and why.
+    /// Whether small all-reduces and all-gathers replay the one-shot P2P kernel (else NCCL), and why.
     pub p2p: bool,
     pub p2p_reason: String,
 }
@@ -263,11 +263,19 @@ impl CudaBackend {
                 let regions = Arc::new(regions.ok_or_else(|| RuntimeError::internal("a rank has no P2P region"))?);
                 let contexts = Arc::new(contexts);
                 backend.broadcast(|| Command::P2p { contexts: contexts.clone(), regions: regions.clone() })?;
-                backend.gather("enabling the P2P all-reduce")?;
+                backend.gather("enabling the P2P collectives")?;
                 backend.report.p2p = true;
             }
             let how = if backend.report.p2p { "the one-shot P2P kernel" } else { "NCCL" };
-            eprintln!("kiln cuda: all-reduces up to {} KiB: {how} ({})", crate::plan::P2P_MAX_BYTES >> 10, backend.report.p2p_reason);
+            eprintln!("kiln cuda: all-reduces and all-gathers up to {} KiB per GPU: {how} ({})", crate::plan::P2P_MAX_BYTES >> 10, backend.report.p2p_reason);
+            // beyond the logits' gather, a plan gathers the projections it split for the P2P path
+            let gathers = backend.plan.programs.iter().map(|p| p.steps.iter().filter(|s| matches!(s.op, Op::AllGather { .. })).count()).max().unwrap_or(0);
+            if !backend.report.p2p && gathers > 1 {
+                eprintln!(
+                    "kiln cuda: warning: the plan splits replicated projections behind {} all-gathers per step, chosen for the P2P kernel; on NCCL each costs more than it saves: recompile with --split-projections none",
+                    gathers - 1
+                );
+            }
         }
         if ranks > 1 {
             let t = Instant::now();

@@ -1,7 +1,7 @@
 //! One GPU of a plan, owned by its worker thread: the context, one stream, exactly the memory
 //! the plan lays out (one allocation each for the weights arena, the workspace every program
 //! shares, the KV cache with its layers back to back, and the RoPE table), the plan's modules,
-//! the NCCL communicator, the one-shot P2P all-reduce's region (plans that have the kernel) and
+//! the NCCL communicator, the one-shot P2P collective's region (plans that have the kernel) and
 //! one CUDA graph per program.
 
 use super::hardware::{cu, gpu_error};
@@ -31,9 +31,9 @@ pub struct RankDevice {
     workspace: DeviceBuffer,
     kv: DeviceBuffer,
     rope: DeviceBuffer,
-    /// The P2P all-reduce region (zeroed), when the plan's all-reduces have P2P launches.
+    /// The P2P collective region (zeroed), when the plan's collectives have P2P launches.
     p2p_region: Option<DeviceBuffer>,
-    /// Whether small all-reduces replay the P2P kernel (every pair passed the probe) or NCCL.
+    /// Whether small collectives replay the P2P kernel (every pair passed the probe) or NCCL.
     p2p: bool,
     stream: Stream,
     ctx: Context,
@@ -51,9 +51,9 @@ pub struct Opened {
     pub p2p_region: Option<u64>,
 }
 
-/// Whether any all-reduce of the plan has a one-shot P2P launch.
+/// Whether any collective of the plan has a one-shot P2P launch.
 pub fn plan_has_p2p(plan: &Plan) -> bool {
-    plan.ranks() > 1 && plan.programs.iter().flat_map(|p| &p.steps).any(|s| matches!(s.op, Op::AllReduce { .. }) && !s.launches.is_empty())
+    plan.ranks() > 1 && plan.programs.iter().flat_map(|p| &p.steps).any(|s| s.p2p_collective())
 }
 
 fn nccl_error(what: &str, e: nccl::NcclError) -> RuntimeError {
@@ -96,7 +96,7 @@ impl RankDevice {
         let logit_bytes = plan.programs.iter().map(|p| p.buffer(p.logits).bytes).max().unwrap_or(0);
         let inputs_stage = Pinned::new(input_bytes as usize, WRITE_COMBINED)?;
         let readback = Pinned::new(logit_bytes as usize, 0)?;
-        let p2p_region = if plan_has_p2p(plan) { Some(DeviceBuffer::zeroed(P2pLayout { ranks: plan.ranks() as u64 }.bytes(), "P2P all-reduce region")?) } else { None };
+        let p2p_region = if plan_has_p2p(plan) { Some(DeviceBuffer::zeroed(P2pLayout { ranks: plan.ranks() as u64 }.bytes(), "P2P collective region")?) } else { None };
         let allocated = arena.bytes + workspace.bytes + kv.bytes + rope.bytes + p2p_region.as_ref().map_or(0, |r| r.bytes);
         let (free_after, _) = ctx.memory()?;
         let opened = Opened { allocated, free_after, context: ctx.ctx as u64, p2p_region: p2p_region.as_ref().map(|r| r.ptr) };
@@ -189,9 +189,9 @@ impl RankDevice {
         Ok(())
     }
 
-    /// Whether all-reduce `step` replays the P2P kernel.
+    /// Whether collective `step` replays the P2P kernel.
     fn uses_p2p(&self, step: &crate::plan::Step) -> bool {
-        self.p2p && matches!(step.op, Op::AllReduce { .. }) && !step.launches.is_empty()
+        self.p2p && step.p2p_collective()
     }
 
     /// Joins the communicator of all ranks (blocks until every rank has called it).
@@ -338,7 +338,7 @@ impl RankDevice {
     fn record(&self, plan: &Plan, p: &Program) -> Result<(), RuntimeError> {
         for step in &p.steps {
             match step.op {
-                Op::AllReduce { .. } if self.uses_p2p(step) => step.launches.iter().try_for_each(|l| self.launch(plan, p, l))?,
+                _ if self.uses_p2p(step) => step.launches.iter().try_for_each(|l| self.launch(plan, p, l))?,
                 Op::AllReduce { .. } | Op::AllGather { .. } => self.collective(plan, p, &step.op)?,
                 _ => step.launches.iter().try_for_each(|l| self.launch(plan, p, l))?,
             }

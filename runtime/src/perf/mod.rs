@@ -7,9 +7,10 @@
 //! are its loads and stores as the PTX emulator counts them (L2 is not a cache for weights; a
 //! value re-read by several blocks counts each time), and a launch with fewer working blocks than
 //! SMs gets that fraction of the bandwidth and of every rate. A collective takes NCCL's
-//! `base + bytes / bandwidth`, or, for an all-reduce the plan gives the one-shot P2P kernel (at
-//! most `p2p_max_bytes`), that kernel's `base + (ranks - 1) * bytes / bandwidth` (reported beside
-//! NCCL: the runtime uses it only where every GPU pair passes the peer probe).
+//! `base + bytes / bandwidth`, or, for a collective the plan gives the one-shot P2P kernel (each
+//! rank's part at most `p2p_max_bytes`), that kernel's `base + (ranks - 1) * part / bandwidth`,
+//! where an all-reduce's part is its whole buffer and an all-gather's one rank's share (reported
+//! beside NCCL: the runtime uses it only where every GPU pair passes the peer probe).
 //! A step is the sum of its launches and collectives (one CUDA graph, nothing overlaps).
 
 pub mod kernels;
@@ -42,7 +43,9 @@ pub struct Constants {
     /// NCCL all-reduce / all-gather: `nccl_base_us + bytes / nccl_gbps`.
     pub nccl_base_us: f64,
     pub nccl_gbps: f64,
-    /// One-shot P2P all-reduce: `p2p_base_us + (ranks - 1) * bytes / p2p_gbps`, up to `p2p_max_bytes`.
+    /// One-shot P2P all-reduce or all-gather: `p2p_base_us + (ranks - 1) * part / p2p_gbps`, where
+    /// `part` (what each rank reads of each peer: an all-reduce's buffer, a gather's one share) is
+    /// at most `p2p_max_bytes`.
     pub p2p_base_us: f64,
     pub p2p_gbps: f64,
     pub p2p_max_bytes: u64,
@@ -86,7 +89,7 @@ impl Constants {
     }
 
     /// Bytes per µs the whole GPU streams.
-    fn bytes_per_us(&self) -> f64 {
+    pub fn bytes_per_us(&self) -> f64 {
         self.dram_tbps * self.dram_efficiency * 1e6
     }
 }
@@ -133,10 +136,12 @@ pub fn launch_time(c: &Cost, k: &Constants) -> Timing {
     Timing { us: memory_us.max(compute_us) + k.launch_us, memory_us, compute_us, occupancy, bound }
 }
 
-/// A collective's predicted time: (NCCL, one-shot P2P where it applies).
+/// A collective's predicted time: (NCCL, one-shot P2P where its size allows). `bytes`: the
+/// all-reduced buffer, or the gathered result (each rank contributes `bytes / ranks`).
 pub fn collective_time(all_reduce: bool, bytes: f64, ranks: usize, k: &Constants) -> (f64, Option<f64>) {
     let nccl = k.nccl_base_us + bytes / (k.nccl_gbps * 1e3);
-    let p2p = (all_reduce && bytes <= k.p2p_max_bytes as f64).then(|| k.p2p_base_us + ranks.saturating_sub(1) as f64 * bytes / (k.p2p_gbps * 1e3));
+    let part = if all_reduce { bytes } else { bytes / ranks.max(1) as f64 };
+    let p2p = (part <= k.p2p_max_bytes as f64).then(|| k.p2p_base_us + ranks.saturating_sub(1) as f64 * part / (k.p2p_gbps * 1e3));
     (nccl, p2p)
 }
 
@@ -157,7 +162,7 @@ pub struct CollectivePerf {
     pub all_reduce: bool,
     pub bytes: u64,
     pub nccl_us: f64,
-    /// The one-shot P2P all-reduce's time, when it applies (all-reduce of at most `p2p_max_bytes`).
+    /// The one-shot P2P kernel's time, where the plan has it.
     pub p2p_us: Option<f64>,
 }
 
@@ -215,6 +220,7 @@ pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constant
             Op::AllGather { out, .. } => {
                 let bytes = program.buffer(out).bytes;
                 let (nccl_us, p2p_us) = collective_time(false, bytes as f64, plan.ranks(), k);
+                let p2p_us = p2p_us.filter(|_| !step.launches.is_empty());
                 collectives.push(CollectivePerf { step: s, all_reduce: false, bytes, nccl_us, p2p_us });
                 continue;
             }
@@ -361,7 +367,7 @@ fn notes(plan: &Plan) -> Vec<String> {
         "bytes = every global load and store a kernel executes, counted per lane as the PTX emulator counts them (weights, activations, KV cache, inputs); L2 is not a cache for weights, nor for anything else: a re-read counts again".into(),
         "a step = sum of its launches and collectives (one CUDA graph per rank, nothing overlaps); all ranks run the same program".into(),
         format!(
-            "collectives: NCCL for every all-reduce and all-gather (the gathered bytes); the p2p columns use the plan's one-shot P2P all-reduce kernel (all-reduces up to 64 KiB; the runtime uses it where every GPU pair passes the peer probe), with (ranks - 1) = {} transfers",
+            "collectives: NCCL for every all-reduce and all-gather (the gathered bytes); the p2p columns use the plan's one-shot P2P kernel where it has one (an all-reduce of up to 64 KiB, an all-gather of up to 64 KiB per rank; the runtime uses it where every GPU pair passes the peer probe), with (ranks - 1) = {} transfers of each rank's part",
             plan.ranks().saturating_sub(1)
         ),
         format!(
@@ -501,13 +507,18 @@ mod tests {
     }
 
     #[test]
-    fn small_all_reduces_may_take_the_one_shot_p2p_path() {
+    fn small_collectives_may_take_the_one_shot_p2p_path() {
         let k = Constants::SM120A;
         let (nccl, p2p) = collective_time(true, 12_288.0, 8, &k);
         assert!((nccl - (25.0 + 12_288.0 / 40e3)).abs() < 1e-9);
         assert!((p2p.unwrap() - (8.0 + 7.0 * 12_288.0 / 50e3)).abs() < 1e-9);
         assert_eq!(collective_time(true, 65_537.0, 8, &k).1, None);
         assert!(collective_time(true, 65_536.0, 8, &k).1.is_some());
-        assert_eq!(collective_time(false, 1_024.0, 8, &k).1, None, "all-gathers stay on NCCL");
+        // an all-gather: each rank reads one share from each peer
+        let (nccl, p2p) = collective_time(false, 8.0 * 512.0, 8, &k);
+        assert!((nccl - (25.0 + 4_096.0 / 40e3)).abs() < 1e-9);
+        assert!((p2p.unwrap() - (8.0 + 7.0 * 512.0 / 50e3)).abs() < 1e-9);
+        assert!(collective_time(false, 8.0 * 65_536.0, 8, &k).1.is_some());
+        assert_eq!(collective_time(false, 8.0 * 65_537.0, 8, &k).1, None);
     }
 }

@@ -72,7 +72,7 @@ pub enum LaunchArg {
     KvCache { layer: u32 },
     /// Device address of the RoPE table (see [`super::KvLayout::rope_table`]).
     RopeTable,
-    /// Device address of the rank's one-shot P2P all-reduce region (see [`super::P2pLayout`]).
+    /// Device address of the rank's one-shot P2P collective region (see [`super::P2pLayout`]).
     P2pRegion,
 }
 

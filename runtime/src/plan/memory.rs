@@ -77,7 +77,7 @@ impl MemoryPlan {
 /// Largest all-reduce the one-shot P2P kernel takes; larger ones stay on NCCL.
 pub const P2P_MAX_BYTES: u64 = 64 << 10;
 
-/// The per-rank region of the one-shot P2P all-reduce (`kernel-templates/p2p_all_reduce.ptx`):
+/// The per-rank region of the one-shot P2P collective (`kernel-templates/p2p_collective.ptx`):
 /// every rank's region base (u64 each), this rank's epoch (u32, padded to 16 B), a flag per rank
 /// (u32), then two slots of [`P2P_MAX_BYTES`] at a 256-byte boundary. The runtime allocates it
 /// zeroed on every GPU and writes the table; peers address it directly.

@@ -56,8 +56,9 @@ pub enum KernelFamily {
     MoeBf16,
     Add,
     GatherRows,
-    /// Collectives: NCCL, or for small all-reduces the one-shot P2P kernel (`p2p_all_reduce`),
-    /// which the CUDA runtime uses only where every GPU pair passed the peer probe.
+    /// Collectives: NCCL, or for small all-reduces and all-gathers the one-shot P2P kernel
+    /// (`p2p_collective`), which the CUDA runtime uses only where every GPU pair passed the peer
+    /// probe.
     Collective,
 }
 
@@ -87,9 +88,17 @@ pub struct Step {
     pub op: Op,
     pub kernel: KernelFamily,
     /// The kernel launches that execute `op` on a GPU target, in order (set by lowering; empty on
-    /// the CPU target, for collectives, and for families without a kernel, see
+    /// the CPU target, for collectives NCCL carries, and for families without a kernel, see
     /// `Plan::missing_kernels`). Most ops take one; MoE takes two (gate/up, then down + combine).
     pub launches: Vec<Launch>,
+}
+
+impl Step {
+    /// A collective the plan also gives the one-shot P2P kernel (which a multi-GPU runtime runs
+    /// where every GPU pair passed the peer probe, NCCL otherwise).
+    pub fn p2p_collective(&self) -> bool {
+        matches!(self.op, Op::AllReduce { .. } | Op::AllGather { .. }) && !self.launches.is_empty()
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

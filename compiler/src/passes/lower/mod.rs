@@ -167,9 +167,6 @@ pub fn lower(plan: &mut Plan) -> Result<(), CompileError> {
     for program in &mut programs {
         for s in 0..program.steps.len() {
             let family = program.steps[s].kernel;
-            if family == KernelFamily::Collective && !matches!(program.steps[s].op, Op::AllReduce { .. }) {
-                continue;
-            }
             let cx = Cx { plan, program, arch, smem_limit, consts };
             match instances(&cx, &program.steps[s].op) {
                 Err(reason) => *missing.entry((family, reason)).or_default() += 1,
@@ -313,7 +310,7 @@ fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         Op::MlaKvWrite { .. } | Op::IndexerKeyWrite { .. } => cache::instances(cx, op),
         Op::IndexerTopK { .. } => indexer::instances(cx, op),
         Op::MlaAttention { .. } => attention::instances(cx, op),
-        Op::AllReduce { .. } => collective::instances(cx, op),
+        Op::AllReduce { .. } | Op::AllGather { .. } => collective::instances(cx, op),
         Op::RmsNorm { .. } => norm::instances(cx, op),
         Op::MoeExperts { .. } => moe::instances(cx, op),
         Op::Router { .. } => router::instances(cx, op),
