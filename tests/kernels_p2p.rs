@@ -33,8 +33,13 @@ fn rank_order_sum(parts: &[Vec<f32>], bf16: bool) -> Vec<f32> {
 enum Round {
     /// An all-reduce in place.
     Reduce,
-    /// An all-gather of rows of this many values: every rank's row side by side in rank order.
-    Gather { width: usize },
+    /// An all-gather of rows of `width` values: every rank's row side by side in rank order; with
+    /// `second` = (values, width), a second buffer gathered by the same kernel.
+    Gather { width: usize, second: Option<(usize, usize)> },
+}
+
+fn gather(width: usize) -> Round {
+    Round::Gather { width, second: None }
 }
 
 /// Every rank runs `kinds` back to back on `n` values of its own (BF16 or F32), each round a
@@ -42,19 +47,26 @@ enum Round {
 fn rounds(ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
     let size = if bf16 { 2 } else { 4 };
     let layout = P2pLayout { ranks: ranks as u64 };
+    let second = |kind: &Round| match *kind {
+        Round::Gather { second: Some(s), .. } => s,
+        _ => (0, 1),
+    };
     let modules: Vec<Module> = kinds
         .iter()
         .map(|kind| {
+            let (n2, width2) = second(kind);
             let (gather, row) = match *kind {
                 Round::Reduce => (0, n * size),
-                Round::Gather { width } => (1, width * size),
+                Round::Gather { width, .. } => (1, width * size),
             };
             let params = P2pCollectiveParams {
                 arch: 120,
                 ranks: ranks as u32,
                 gather,
-                bytes: (n * size) as u32,
+                bytes: ((n + n2) * size) as u32,
+                part: (n * size) as u32,
                 row: row as u32,
+                row2: if n2 > 0 { (width2 * size) as u32 } else { row as u32 },
                 bf16: bf16 as u32,
                 slot: P2P_MAX_BYTES as u32,
                 flags: layout.flags() as u32,
@@ -65,9 +77,12 @@ fn rounds(ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
             Module::parse(&params.render().unwrap(), "p2p_collective.ptx").unwrap()
         })
         .collect();
+    let n2_max = kinds.iter().map(|k| second(k).0).max().unwrap_or(0).max(1);
     let mut mems: Vec<GlobalMemory> = (0..ranks).map(|r| GlobalMemory::with_base(GLOBAL_BASE + ((r as u64 + 1) << 40))).collect();
     let bufs: Vec<_> = mems.iter_mut().map(|m| m.alloc("buf", n * size)).collect();
+    let bufs2: Vec<_> = mems.iter_mut().map(|m| m.alloc("buf2", n2_max * size)).collect();
     let outs: Vec<_> = mems.iter_mut().map(|m| m.alloc("out", ranks * n * size)).collect();
+    let outs2: Vec<_> = mems.iter_mut().map(|m| m.alloc("out2", ranks * n2_max * size)).collect();
     let regions: Vec<_> = mems.iter_mut().map(|m| m.alloc("p2p region", layout.bytes() as usize)).collect();
     let table: Vec<u8> = (0..ranks).flat_map(|q| mems[q].addr(regions[q]).to_le_bytes()).collect();
     for (m, &reg) in mems.iter().zip(&regions) {
@@ -75,25 +90,34 @@ fn rounds(ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
     }
     let mut rng = Rng::new(seed);
     // every rank runs its rounds back to back, as graph replays do: a rank may be a round ahead,
-    // writing the other slot and announcing the next epoch while a peer still reads this one
-    let inputs: Vec<Vec<Vec<f32>>> = kinds.iter().map(|_| (0..ranks).map(|_| randn(&mut rng, n, 1.0, bf16)).collect()).collect();
+    // writing the other slot and announcing the next epoch while a peer still reads this one.
+    // Per round and rank: its values for buf, then for buf2.
+    let inputs: Vec<Vec<(Vec<f32>, Vec<f32>)>> = kinds.iter().map(|k| (0..ranks).map(|_| (randn(&mut rng, n, 1.0, bf16), randn(&mut rng, second(k).0, 1.0, bf16))).collect()).collect();
     let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..ranks)
             .map(|r| {
-                let (mems, modules, bufs, outs, regions, inputs) = (&mems, &modules, &bufs, &outs, &regions, &inputs);
+                let (mems, modules, bufs, bufs2, outs, outs2, regions, inputs) = (&mems, &modules, &bufs, &bufs2, &outs, &outs2, &regions, &inputs);
                 s.spawn(move || {
                     let peers: Vec<&GlobalMemory> = (0..ranks).filter(|&q| q != r).map(|q| &mems[q]).collect();
-                    let (buf, region) = (mems[r].addr(bufs[r]), mems[r].addr(regions[r]));
+                    let addr = |b| KernelArg::U64(mems[r].addr(b));
                     let mut results = Vec::new();
                     for ((round, module), kind) in inputs.iter().zip(modules).zip(kinds) {
-                        mems[r].write(bufs[r], 0, &bytes(&round[r], bf16));
-                        let out = match kind {
-                            Round::Reduce => bufs[r],
-                            Round::Gather { .. } => outs[r],
+                        mems[r].write(bufs[r], 0, &bytes(&round[r].0, bf16));
+                        mems[r].write(bufs2[r], 0, &bytes(&round[r].1, bf16));
+                        let two = second(kind).0 > 0;
+                        let (buf2, out, out2) = match kind {
+                            Round::Reduce => (bufs[r], bufs[r], bufs[r]),
+                            Round::Gather { .. } if two => (bufs2[r], outs[r], outs2[r]),
+                            Round::Gather { .. } => (bufs[r], outs[r], outs[r]),
                         };
-                        let args = [KernelArg::U64(buf), KernelArg::U64(mems[r].addr(out)), KernelArg::U64(region), KernelArg::U32(r as u32)];
+                        let args = [addr(bufs[r]), addr(buf2), addr(out), addr(out2), addr(regions[r]), KernelArg::U32(r as u32)];
                         launch_with_peers(module, P2pCollectiveParams::ENTRY, [1, 1, 1], [256, 1, 1], 0, &args, &mems[r], &peers).unwrap();
-                        results.push(floats(&mems[r].read(out), bf16));
+                        let mut got = floats(&mems[r].read(out), bf16);
+                        if two {
+                            got.truncate(ranks * n);
+                            got.extend(floats(&mems[r].read(out2), bf16).into_iter().take(ranks * second(kind).0));
+                        }
+                        results.push(got);
                     }
                     results
                 })
@@ -102,12 +126,20 @@ fn rounds(ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     for (round, (parts, kind)) in inputs.iter().zip(kinds).enumerate() {
+        let firsts: Vec<Vec<f32>> = parts.iter().map(|p| p.0.clone()).collect();
         let want = match *kind {
-            Round::Reduce => rank_order_sum(parts, bf16),
-            Round::Gather { width } => side_by_side(parts, width),
+            Round::Reduce => rank_order_sum(&firsts, bf16),
+            Round::Gather { width, second } => {
+                let mut w = side_by_side(&firsts, width);
+                if let Some((_, width2)) = second {
+                    w.extend(side_by_side(&parts.iter().map(|p| p.1.clone()).collect::<Vec<_>>(), width2));
+                }
+                w
+            }
         };
         for (r, got) in results.iter().map(|per_rank| &per_rank[round]).enumerate() {
             let off = got.iter().zip(&want).filter(|(g, w)| g.to_bits() != w.to_bits()).count();
+            assert_eq!(got.len(), want.len());
             assert_eq!(off, 0, "{ranks} ranks, {n} values (bf16 {bf16}), round {round}: rank {r} differs from the expected result in {off} values");
         }
     }
@@ -139,15 +171,27 @@ fn sums_in_rank_order_on_every_rank_round_after_round() {
 
 #[test]
 fn gathers_every_rank_row_by_row_between_all_reduces() {
-    use Round::{Gather, Reduce};
+    use Round::Reduce;
     // GLM-5's sharded q_a at decode (2048 / 8 = 256 BF16 per rank and token): one token, then a
     // batch of 64 (32 KiB per rank), between all-reduces on the same region and epochs
-    rounds(8, 256, true, &[Gather { width: 256 }, Reduce, Gather { width: 256 }, Reduce], 5);
-    rounds(8, 64 * 256, true, &[Gather { width: 256 }, Gather { width: 256 }, Reduce], 6);
-    // rows of one 16-byte chunk (kv_a's 72 BF16 per rank are 9), 3 ranks, F32, the 64 KiB limit
-    rounds(3, 4 * 5, false, &[Gather { width: 4 }, Reduce, Gather { width: 4 }], 7);
-    rounds(2, 72 * 3, true, &[Gather { width: 72 }; 3], 8);
-    rounds(3, (P2P_MAX_BYTES / 4) as usize, false, &[Gather { width: 1024 }, Gather { width: 1024 }], 9);
+    rounds(8, 256, true, &[gather(256), Reduce, gather(256), Reduce], 5);
+    rounds(8, 64 * 256, true, &[gather(256), gather(256), Reduce], 6);
+    // rows of one 16-byte chunk, 3 ranks, F32, the 64 KiB limit
+    rounds(3, 4 * 5, false, &[gather(4), Reduce, gather(4)], 7);
+    rounds(2, 72 * 3, true, &[gather(72); 3], 8);
+    rounds(3, (P2P_MAX_BYTES / 4) as usize, false, &[gather(1024), gather(1024)], 9);
+}
+
+#[test]
+fn gathers_two_buffers_in_one_kernel() {
+    use Round::{Gather, Reduce};
+    // q_a (256 BF16 per rank and token) and kv_a (72) split over 8 ranks share one gather: one
+    // token, then 64 (41 KiB per rank), between all-reduces
+    let (q, kv) = (256, 72);
+    rounds(8, q, true, &[Gather { width: q, second: Some((kv, kv)) }, Reduce, Gather { width: q, second: Some((kv, kv)) }], 10);
+    rounds(8, 64 * q, true, &[Gather { width: q, second: Some((64 * kv, kv)) }, gather(q), Reduce], 11);
+    // F32, 3 ranks, rows of different chunk counts, the second buffer larger than the first
+    rounds(3, 2 * 4, false, &[Gather { width: 4, second: Some((2 * 12, 12)) }, Reduce], 12);
 }
 
 /// Rank 0 of a 2-rank all-reduce of 64 B on its own simulated GPU, rank 1's GPU beside it (both
@@ -155,7 +199,7 @@ fn gathers_every_rank_row_by_row_between_all_reduces() {
 /// never launches. Returns the launch's error and rank 1's region.
 fn rank_0_alone(spins: u32, peer_access: bool) -> (String, Vec<u8>) {
     let layout = P2pLayout { ranks: 2 };
-    let params = P2pCollectiveParams { arch: 120, ranks: 2, gather: 0, bytes: 64, row: 64, bf16: 0, slot: P2P_MAX_BYTES as u32, flags: layout.flags() as u32, slots: layout.slots() as u32, threads: 64, spins };
+    let params = P2pCollectiveParams { arch: 120, ranks: 2, gather: 0, bytes: 64, part: 64, row: 64, row2: 64, bf16: 0, slot: P2P_MAX_BYTES as u32, flags: layout.flags() as u32, slots: layout.slots() as u32, threads: 64, spins };
     let module = Module::parse(&params.render().unwrap(), "p2p_collective.ptx").unwrap();
     let mut mine = GlobalMemory::with_base(GLOBAL_BASE + (1 << 40));
     let mut other = GlobalMemory::with_base(GLOBAL_BASE + (2 << 40));
@@ -164,7 +208,8 @@ fn rank_0_alone(spins: u32, peer_access: bool) -> (String, Vec<u8>) {
     let table: Vec<u8> = [mine.addr(reg), other.addr(other_reg)].iter().flat_map(|a| a.to_le_bytes()).collect();
     mine.write(reg, 0, &table);
     other.write(other_reg, 0, &table);
-    let args = [KernelArg::U64(mine.addr(b)), KernelArg::U64(mine.addr(b)), KernelArg::U64(mine.addr(reg)), KernelArg::U32(0)];
+    let at = KernelArg::U64(mine.addr(b));
+    let args = [at.clone(), at.clone(), at.clone(), at, KernelArg::U64(mine.addr(reg)), KernelArg::U32(0)];
     let peers: &[&GlobalMemory] = if peer_access { &[&other] } else { &[] };
     let err = launch_with_peers(&module, P2pCollectiveParams::ENTRY, [1, 1, 1], [64, 1, 1], 0, &args, &mine, peers).unwrap_err().to_string();
     (err, other.read(other_reg))

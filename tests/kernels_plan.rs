@@ -108,8 +108,8 @@ fn shipped_artifact_equals(fresh: &Path) {
     assert_eq!(m["files"], f["files"], "{stale}");
     assert!(m.get("checkpoint_dir").is_none(), "the shipped manifest names no local path");
     let j = inspect_json(&shipped());
-    // 364,096 until q_a and the indexer's wq_b were split over the ranks (2.66 GiB less each)
-    assert_eq!(j["per_gpu"]["kv_token_capacity"], 390_144);
+    // 364,096 until q_a, kv_a and the indexer's wq_b were split over the ranks (3.39 GiB less each)
+    assert_eq!(j["per_gpu"]["kv_token_capacity"], 394_560);
 }
 
 /// Without GPUs, serving the shipped plan is refused at once, naming the driver; weights whose
@@ -151,7 +151,7 @@ fn shipped_artifact_refuses_what_it_cannot_run(skeleton: &Path) {
         std::fs::hard_link(e.path(), &to).or_else(|_| std::fs::copy(e.path(), &to).map(|_| ())).unwrap();
     }
     let victim = victim.expect("a q_a_proj tensor");
-    fails(&["verify-weights", s(&art), "--weights", s(&edited)], &[&format!("`{victim}`"), "the plan expects", "found", "9f9ced5e3bbad2ec"]);
+    fails(&["verify-weights", s(&art), "--weights", s(&edited)], &[&format!("`{victim}`"), "the plan expects", "found", "d97b4c9dd6235d14"]);
 }
 
 /// The sm_90a plans of the tiny model (tp 1 and 2) and of the NVFP4 oracle goldens: each distinct

@@ -490,7 +490,8 @@ fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
         // spreads over column blocks
         assert_eq!(d["launches"], 1552 + 75 + 78 + 3 * 78 + 156, "{d}");
         // two all-reduces per layer, the embedding's and the logits' gather, and since the model
-        // chose to split q_a and the indexer's wq_b behind all-gathers, two gathers per layer
+        // chose to split q_a with kv_a and the indexer's wq_b behind all-gathers, two gathers per
+        // layer
         assert_eq!(d["collectives"], 158 + 2 * 78, "{d}");
         assert!(d["bytes_per_gpu"].as_f64().unwrap() >= d["compulsory_bytes_per_gpu"].as_f64().unwrap());
     }

@@ -126,7 +126,8 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
     let parallel = Parallelism { tp: opts.tp, moe: opts.moe };
     // a CPU plan splits what the product target would (the bits are the same either way)
     let consts = kiln_runtime::perf::Constants::for_target(&target).map_or(kiln_runtime::perf::Constants::SM120A, |(k, _)| k);
-    let split = shard::SplitPolicy { projections: opts.split_projections, consts };
+    let max_batch = opts.decode_batches.iter().copied().max().unwrap_or(1);
+    let split = shard::SplitPolicy { projections: opts.split_projections, consts, max_batch };
     let sharded = shard::shard(graph, &cfg, &parallel, &split)?;
     let pages_per_seq = max_context.div_ceil(memory::KV_PAGE_SIZE);
     let probe = specialize::Bucket { kind: kiln_runtime::plan::ProgramKind::Decode { batch: 1 }, tokens: 1, seqs: 1, logit_rows: 1, pages_per_seq };

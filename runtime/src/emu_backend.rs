@@ -135,7 +135,7 @@ impl EmuBackend {
                     results.into_iter().collect::<Result<Vec<()>, String>>().map_err(at)?;
                 }
                 Op::AllReduce { buf } => all_reduce(&mut self.devices, program, buf),
-                Op::AllGather { input, out } => all_gather(&mut self.devices, program, input, out).map_err(at)?,
+                Op::AllGather { ref pairs } => pairs.iter().try_for_each(|g| all_gather(&mut self.devices, program, g.input, g.out)).map_err(at)?,
                 _ => {
                     for d in &mut self.devices {
                         for l in &step.launches {

@@ -66,6 +66,9 @@ pub struct PerfArgs {
     /// Context of the decode step whose launches are listed.
     #[arg(long, requires = "perf", default_value_t = 8192)]
     top_context: usize,
+    /// How many of its longest launch groups are listed (identical launches summed; 0: all).
+    #[arg(long, requires = "perf", default_value_t = 10)]
+    top_count: usize,
 }
 
 impl PerfArgs {
@@ -106,7 +109,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let report = match a.perf.perf {
         true => {
             let (k, notes) = a.perf.constants(&plan)?;
-            Some(perf::report(&plan, &k, notes, a.perf.top_batch, a.perf.top_context).map_err(anyhow::Error::msg)?)
+            Some(perf::report(&plan, &k, notes, a.perf.top_batch, a.perf.top_context, if a.perf.top_count == 0 { usize::MAX } else { a.perf.top_count }).map_err(anyhow::Error::msg)?)
         }
         false => None,
     };

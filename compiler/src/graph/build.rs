@@ -144,15 +144,16 @@ impl<'a> Builder<'a> {
 
         let qa = self.tokens(format!("l{l}.q_a"), DType::BF16, c.q_lora_rank);
         self.linear(x, &[format!("{p}.q_a_proj")], c.q_lora_rank, h, kind, ShardRole::Replicated, Epilogue::None, qa)?;
+        // kv_a right after q_a (both read x): where sharding splits both, one all-gather serves them
+        let kv_rows = c.kv_lora_rank + c.qk_rope_head_dim;
+        let kv = self.tokens(format!("l{l}.kv_a"), DType::BF16, kv_rows);
+        self.linear(x, &[format!("{p}.kv_a_proj_with_mqa")], kv_rows, h, kind, ShardRole::Replicated, Epilogue::None, kv)?;
         let q_norm = self.param(&format!("{p}.q_a_layernorm.weight"), DType::BF16, &[c.q_lora_rank], WeightKind::Norm, ShardRole::Replicated, "q_a_layernorm")?;
         let q_resid = self.tokens(format!("l{l}.q_resid"), DType::BF16, c.q_lora_rank);
         self.push(Op::RmsNorm { input: qa, residual: None, weight: q_norm, eps: c.latent_norm_eps, out: q_resid }, KernelFamily::RmsNorm);
         let q = self.tokens(format!("l{l}.q"), DType::BF16, c.num_attention_heads * qk);
         self.linear(q_resid, &[format!("{p}.q_b_proj")], c.num_attention_heads * qk, c.q_lora_rank, kind, ShardRole::Rows, Epilogue::None, q)?;
 
-        let kv_rows = c.kv_lora_rank + c.qk_rope_head_dim;
-        let kv = self.tokens(format!("l{l}.kv_a"), DType::BF16, kv_rows);
-        self.linear(x, &[format!("{p}.kv_a_proj_with_mqa")], kv_rows, h, kind, ShardRole::Replicated, Epilogue::None, kv)?;
         let kv_norm = self.param(&format!("{p}.kv_a_layernorm.weight"), DType::BF16, &[c.kv_lora_rank], WeightKind::Norm, ShardRole::Replicated, "kv_a_layernorm")?;
         self.push(Op::MlaKvWrite { kv, norm: kv_norm, eps: c.latent_norm_eps, layer: l }, KernelFamily::MlaKvWrite);
 

@@ -8,10 +8,11 @@ use crate::error::{human_bytes, CompileError};
 use crate::graph::{Graph, GraphWeight, ShardRole};
 use kiln_runtime::perf::{collective_time, Constants};
 use kiln_runtime::plan::{
-    BufId, Dim, KernelFamily, LinearWeights, ModelConfig, MoeParallel, Op, Parallelism, Shard, ShardChoice, Step,
+    BufId, Dim, GatherPair, KernelFamily, LinearWeights, ModelConfig, MoeParallel, Op, Parallelism, Shard, ShardChoice, Step,
     TensorChoice, Transform, WeightId, WeightKind, WeightSlot, WeightSource,
 };
-use std::collections::{BTreeMap, BTreeSet};
+use super::lower::P2P_GATHER_PAIRS;
+use std::collections::BTreeMap;
 
 /// Which projections the graph replicates on every rank (q_a, kv_a, the indexer's) are instead
 /// split by output rows, each rank computing its share, and all-gathered right after.
@@ -26,11 +27,13 @@ pub enum SplitProjections {
     None,
 }
 
-/// How [`shard`] decides [`SplitProjections`]: the policy and the model constants `Auto` uses.
+/// How [`shard`] decides [`SplitProjections`]: the policy, the model constants `Auto` uses and
+/// the largest decode batch (a shared gather must stay within the P2P kernel's limit there).
 #[derive(Debug, Clone, Copy)]
 pub struct SplitPolicy {
     pub projections: SplitProjections,
     pub consts: Constants,
+    pub max_batch: usize,
 }
 
 /// The graph with per-rank ops and values, plus the per-rank weight slots (offsets unassigned).
@@ -42,7 +45,7 @@ pub struct Sharded {
 
 pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &SplitPolicy) -> Result<Sharded, CompileError> {
     let tp = par.tp;
-    let (gathered, split_choices) = if tp > 1 { split_projections(&mut graph, tp, split) } else { (BTreeSet::new(), Vec::new()) };
+    let (gathered, split_choices) = if tp > 1 { split_projections(&mut graph, tp, split) } else { (BTreeMap::new(), Vec::new()) };
     let slots = graph.weights.iter().map(|w| slot_for(w, par)).collect::<Result<Vec<_>, _>>()?;
     let mut choices = choices(cfg, par, &graph, &slots);
     if tp == 1 {
@@ -53,6 +56,8 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &Spl
     let role_of = |lw: &LinearWeights| weights[lw.ids()[0].0 as usize].role;
     let mut partial = vec![false; graph.values.len()];
     let mut steps = Vec::with_capacity(graph.steps.len() * 2);
+    // the gathered pairs of split projections whose shared all-gather is still to come
+    let mut pending = Vec::new();
     for (index, mut step) in std::mem::take(&mut graph.steps).into_iter().enumerate() {
         // Complete every partial sum this op needs whole (Add is linear: it keeps partials).
         if !matches!(step.op, Op::Add { .. }) {
@@ -64,15 +69,13 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &Spl
             }
         }
         let mut out_partial = false;
-        // (this rank's rows, the whole output) of a projection split behind an all-gather
-        let mut gather_after = None;
         match &mut step.op {
             Op::Embed { vocab_rows, .. } => {
                 *vocab_rows /= tp;
                 out_partial = true;
             }
             Op::Linear { weights, parts, k, out, .. } => match role_of(weights) {
-                ShardRole::Rows if gathered.contains(&index) => {
+                ShardRole::Rows if gathered.contains_key(&index) => {
                     parts.iter_mut().for_each(|p| p.rows /= tp);
                     let mut local = graph.values[out.0 as usize].clone();
                     local.name.push_str("_local");
@@ -80,7 +83,7 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &Spl
                     graph.values.push(local);
                     partial.push(false);
                     let local = BufId(graph.values.len() as u32 - 1);
-                    gather_after = Some((local, *out));
+                    pending.push(GatherPair { input: local, out: *out });
                     *out = local;
                 }
                 ShardRole::Rows => {
@@ -128,8 +131,9 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &Spl
             partial[w.0 as usize] = out_partial;
         }
         steps.push(step);
-        if let Some((input, out)) = gather_after {
-            steps.push(Step { op: Op::AllGather { input, out }, kernel: KernelFamily::Collective, launches: Vec::new() });
+        if gathered.get(&index) == Some(&true) {
+            let pairs = std::mem::take(&mut pending);
+            steps.push(Step { op: Op::AllGather { pairs }, kernel: KernelFamily::Collective, launches: Vec::new() });
         }
     }
     // The lm_head output is vocab-split: gather the columns of every rank.
@@ -143,7 +147,7 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &Spl
     }
     graph.values.push(gathered);
     let out = graph.values.len() as u32 - 1;
-    steps.push(Step { op: Op::AllGather { input: BufId(split), out: BufId(out) }, kernel: KernelFamily::Collective, launches: Vec::new() });
+    steps.push(Step { op: Op::AllGather { pairs: vec![GatherPair { input: BufId(split), out: BufId(out) }] }, kernel: KernelFamily::Collective, launches: Vec::new() });
     graph.logits = out;
     graph.steps = steps;
     Ok(Sharded { graph, slots, choices })
@@ -158,14 +162,20 @@ fn matrices(lw: &LinearWeights) -> Vec<WeightId> {
 }
 
 /// Decides which replicated linears to split by output rows (their matrix weights become
-/// `Rows`) and returns their steps, with one choice per projection (layers grouped) for
-/// `kiln inspect`. Auto weighs, at batch 1 (where a decode step is most bound by weight bytes),
-/// the weight bytes a rank no longer streams against the one-shot P2P all-gather of one token's
-/// output: a projection split this way must gather in a P2P kernel (its share of a row a whole
-/// number of 16-byte chunks), since NCCL's 25 µs would cost more than any of them saves.
-fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> (BTreeSet<usize>, Vec<ShardChoice>) {
+/// `Rows`) and returns their steps (true: the last of a group whose outputs share one all-gather
+/// after it), with one choice per projection (layers grouped) for `kiln inspect`. Auto weighs, at
+/// batch 1 (where a decode step is most bound by weight bytes), the weight bytes a rank no longer
+/// streams against the one-shot P2P all-gather of one token's output. A split linear right after
+/// another (q_a then kv_a, both reading the attention input) joins its gather, up to
+/// `P2P_GATHER_PAIRS` buffers whose shares at the largest decode batch fit the P2P kernel, and
+/// pays only for its share of the transfer. A projection split
+/// this way must gather in a P2P kernel (its share of a row whole 16-byte chunks), since NCCL's
+/// 25 µs would cost more than any of them saves.
+fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> (BTreeMap<usize, bool>, Vec<ShardChoice>) {
     let k = &split.consts;
-    let mut steps = BTreeSet::new();
+    let mut steps: BTreeMap<usize, bool> = BTreeMap::new();
+    // the open group: (its last step, its buffers, their bytes per token and rank)
+    let mut group: Option<(usize, usize, usize)> = None;
     // per projection name: (layers, rows, whether split, why)
     let mut seen: BTreeMap<String, (usize, usize, bool, String)> = BTreeMap::new();
     for (index, step) in graph.steps.iter().enumerate() {
@@ -177,35 +187,49 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> (BTre
             continue;
         }
         let rows: usize = parts.iter().map(|p| p.rows).sum();
-        let size = graph.values[out.0 as usize].dtype.size();
+        let share = rows / tp * graph.values[out.0 as usize].dtype.size();
         let bytes: usize = ids.iter().map(|id| {
             let w = &graph.weights[id.0 as usize];
             w.pieces.len() * w.piece_shape.iter().product::<usize>() * w.dtype.size()
         }).sum();
         let divides = parts.iter().all(|p| p.rows % tp == 0);
         let saved_us = bytes as f64 * (tp - 1) as f64 / tp as f64 / k.bytes_per_us();
-        let p2p_us = collective_time(false, (rows * size) as f64, tp, k).1.filter(|_| (rows / tp * size) % 16 == 0);
-        let (chosen, why) = match (split.projections, divides, p2p_us) {
+        // joining the gather of the split linear just before: only this share's transfer
+        let joins = group.filter(|&(last, n, b)| last + 1 == index && n < P2P_GATHER_PAIRS && ((b + share) * split.max_batch) as u64 <= k.p2p_max_bytes);
+        let transfer_us = (tp - 1) as f64 * share as f64 / (k.p2p_gbps * 1e3);
+        let gather_us = match joins {
+            Some(_) => Some(transfer_us),
+            None => collective_time(false, (share * tp) as f64, tp, k).1,
+        }
+        .filter(|_| share % 16 == 0);
+        let (chosen, why) = match (split.projections, divides, gather_us) {
             (_, false, _) => (false, format!("its {rows} output rows do not divide by {tp}")),
             (SplitProjections::None, ..) => (false, "--split-projections none".into()),
             (SplitProjections::All, ..) => (true, "--split-projections all".into()),
-            (SplitProjections::Auto, true, None) => (false, format!("{} output bytes per rank and token are not whole 16-byte chunks or too many for the one-shot P2P all-gather", rows / tp * size)),
+            (SplitProjections::Auto, true, None) => (false, format!("{share} output bytes per rank and token are not whole 16-byte chunks or too many for the one-shot P2P all-gather")),
             (SplitProjections::Auto, true, Some(gather_us)) => (
                 saved_us > gather_us,
                 format!(
-                    "at batch 1 a rank would stream {} less per layer ({saved_us:.1} µs at {} TB/s x {}) against {gather_us:.1} µs for the one-shot P2P all-gather of its {} output bytes",
+                    "at batch 1 a rank would stream {} less per layer ({saved_us:.1} µs at {} TB/s x {}) against {gather_us:.2} µs for {} its {share} output bytes",
                     human_bytes((bytes - bytes / tp) as u64),
                     k.dram_tbps,
                     k.dram_efficiency,
-                    rows / tp * size
+                    if joins.is_some() { "joining the previous projection's one-shot P2P all-gather with" } else { "a one-shot P2P all-gather of" },
                 ),
             ),
         };
         if chosen {
-            steps.insert(index);
             for id in &ids {
                 graph.weights[id.0 as usize].role = ShardRole::Rows;
             }
+            group = match joins {
+                Some((last, n, b)) => {
+                    steps.insert(last, false);
+                    Some((index, n + 1, b + share))
+                }
+                None => Some((index, 1, share)),
+            };
+            steps.insert(index, true);
         }
         let name = projection_name(&graph.weights[ids[0].0 as usize].name);
         seen.entry(name).and_modify(|e| e.0 += 1).or_insert((1, rows, chosen, why));

@@ -125,9 +125,11 @@ fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -
             expect("b", shape(*b), shape(*a))?;
             expect("out", shape(*out), shape(*a))?;
         }
-        Op::AllGather { input, out } => {
-            if rows(*input) != rows(*out) || last(*out) % last(*input).max(1) != 0 {
-                return Err(format!("gathers {:?} into {:?}", shape(*input), shape(*out)));
+        Op::AllGather { pairs } => {
+            for g in pairs {
+                if rows(g.input) != rows(g.out) || last(g.out) % last(g.input).max(1) != 0 {
+                    return Err(format!("gathers {:?} into {:?}", shape(g.input), shape(g.out)));
+                }
             }
         }
         Op::MlaKvWrite { kv, .. } => expect("kv", shape(*kv), &[rows(*kv), cfg.kv_lora_rank + cfg.qk_rope_head_dim])?,

@@ -393,7 +393,7 @@ impl CpuBackend {
                 }
                 match step.op {
                     Op::AllReduce { buf } => all_reduce(ranks, staging, &cx, buf).map_err(at)?,
-                    Op::AllGather { input, out } => all_gather(ranks, staging, &cx, input, out).map_err(at)?,
+                    Op::AllGather { ref pairs } => pairs.iter().try_for_each(|g| all_gather(ranks, staging, &cx, g.input, g.out)).map_err(at)?,
                     ref op => {
                         for rank in ranks.iter_mut() {
                             rank.exec(&cx, op).map_err(at)?;

@@ -5,7 +5,7 @@
 
 use super::{numel, width};
 use crate::error::RuntimeError;
-use crate::plan::{BufId, DType, Epilogue, LinearWeights, Op, Plan, Program, WeightId};
+use crate::plan::{BufId, DType, Epilogue, GatherPair, LinearWeights, Op, Plan, Program, WeightId};
 
 pub(crate) fn check_plan(plan: &Plan) -> Result<(), RuntimeError> {
     let kv = &plan.memory.kv;
@@ -204,13 +204,19 @@ fn check_op(plan: &Plan, p: &Program, op: &Op) -> Result<(), String> {
             Ok(())
         }
         Op::AllReduce { buf: b } => float(b, numel(p, b)),
-        Op::AllGather { input, out } => {
-            let (w, wo) = (width(p, input), width(p, out));
-            if w * plan.ranks() != wo || numel(p, input) / w.max(1) != numel(p, out) / wo.max(1) {
-                return Err(format!("gathers {w} columns from {} ranks into {wo}", plan.ranks()));
+        Op::AllGather { ref pairs } => {
+            if pairs.is_empty() {
+                return Err("gathers nothing".into());
             }
-            float(input, numel(p, input))?;
-            float(out, numel(p, out))
+            for &GatherPair { input, out } in pairs {
+                let (w, wo) = (width(p, input), width(p, out));
+                if w * plan.ranks() != wo || numel(p, input) / w.max(1) != numel(p, out) / wo.max(1) {
+                    return Err(format!("gathers {w} columns from {} ranks into {wo}", plan.ranks()));
+                }
+                float(input, numel(p, input))?;
+                float(out, numel(p, out))?;
+            }
+            Ok(())
         }
     }
 }

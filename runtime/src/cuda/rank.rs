@@ -213,9 +213,9 @@ impl RankDevice {
         let mut seen = std::collections::HashSet::new();
         for p in &plan.programs {
             for step in p.steps.iter().filter(|s| !self.uses_p2p(s)) {
-                let key = match step.op {
-                    Op::AllReduce { buf } => (0, p.buffer(buf).bytes, p.buffer(buf).dtype.size() as u64),
-                    Op::AllGather { input, out } => (1, p.buffer(input).bytes, p.buffer(out).bytes),
+                let key: Vec<(u64, u64, u64)> = match step.op {
+                    Op::AllReduce { buf } => vec![(0, p.buffer(buf).bytes, p.buffer(buf).dtype.size() as u64)],
+                    Op::AllGather { ref pairs } => pairs.iter().map(|g| (1, p.buffer(g.input).bytes, p.buffer(g.out).bytes)).collect(),
                     _ => continue,
                 };
                 if seen.insert(key) {
@@ -239,25 +239,30 @@ impl RankDevice {
                 unsafe { nccl::all_reduce(ptr, ptr, count, nccl_type(b.dtype)?, nccl_sys::ncclRedOp_t::ncclSum, comm, stream) }
                     .map_err(|e| nccl_error(&format!("{}: all-reduce of {}", p.name, b.name), e))?;
             }
-            Op::AllGather { input, out } => {
-                // Each row's columns are gathered rank after rank: one call per row, grouped.
-                let (bi, bo) = (p.buffer(input), p.buffer(out));
-                let w = bi.shape.last().copied().unwrap_or(1);
-                let rows = bi.shape.iter().product::<usize>() / w.max(1);
-                let es = bi.dtype.size();
+            Op::AllGather { ref pairs } => {
+                // Each row's columns are gathered rank after rank: one call per row and pair, grouped.
                 let ranks = plan.ranks();
-                if bo.shape.iter().product::<usize>() != rows * w * ranks || bo.dtype != bi.dtype {
-                    return Err(RuntimeError::internal(format!("{}: all-gather of {} into {} does not match {ranks} ranks", p.name, bi.name, bo.name)));
+                for g in pairs {
+                    let (bi, bo) = (p.buffer(g.input), p.buffer(g.out));
+                    if bo.shape.iter().product::<usize>() != bi.shape.iter().product::<usize>() * ranks || bo.dtype != bi.dtype {
+                        return Err(RuntimeError::internal(format!("{}: all-gather of {} into {} does not match {ranks} ranks", p.name, bi.name, bo.name)));
+                    }
                 }
                 nccl::group_start().map_err(|e| nccl_error("ncclGroupStart", e))?;
-                for row in 0..rows {
-                    let send = (at(input) + (row * w * es) as u64) as *const c_void;
-                    let recv = (at(out) + (row * w * ranks * es) as u64) as *mut c_void;
-                    // SAFETY: both rows lie inside their workspace buffers.
-                    let r = unsafe { nccl::all_gather(send, recv, w, nccl_type(bi.dtype)?, comm, stream) };
-                    if let Err(e) = r {
-                        let _ = nccl::group_end();
-                        return Err(nccl_error(&format!("{}: all-gather of {}", p.name, bi.name), e));
+                for g in pairs {
+                    let bi = p.buffer(g.input);
+                    let w = bi.shape.last().copied().unwrap_or(1);
+                    let rows = bi.shape.iter().product::<usize>() / w.max(1);
+                    let es = bi.dtype.size();
+                    for row in 0..rows {
+                        let send = (at(g.input) + (row * w * es) as u64) as *const c_void;
+                        let recv = (at(g.out) + (row * w * ranks * es) as u64) as *mut c_void;
+                        // SAFETY: both rows lie inside their workspace buffers.
+                        let r = unsafe { nccl::all_gather(send, recv, w, nccl_type(bi.dtype)?, comm, stream) };
+                        if let Err(e) = r {
+                            let _ = nccl::group_end();
+                            return Err(nccl_error(&format!("{}: all-gather of {}", p.name, bi.name), e));
+                        }
                     }
                 }
                 nccl::group_end().map_err(|e| nccl_error("ncclGroupEnd", e))?;

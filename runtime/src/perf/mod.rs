@@ -217,8 +217,9 @@ pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constant
                 collectives.push(CollectivePerf { step: s, all_reduce: true, bytes, nccl_us, p2p_us });
                 continue;
             }
-            Op::AllGather { out, .. } => {
-                let bytes = program.buffer(out).bytes;
+            Op::AllGather { ref pairs } => {
+                // the pairs of one gather share its latency
+                let bytes = pairs.iter().map(|g| program.buffer(g.out).bytes).sum::<u64>();
                 let (nccl_us, p2p_us) = collective_time(false, bytes as f64, plan.ranks(), k);
                 let p2p_us = p2p_us.filter(|_| !step.launches.is_empty());
                 collectives.push(CollectivePerf { step: s, all_reduce: false, bytes, nccl_us, p2p_us });
@@ -381,7 +382,7 @@ fn notes(plan: &Plan) -> Vec<String> {
 /// The whole report: decode buckets x [`CONTEXTS`], prefill buckets (from position 0, and the
 /// largest one as the last chunk of each context), and the launches of the decode bucket of
 /// `batch` sequences at `context` summed by kernel, longest first.
-pub fn report(plan: &Plan, k: &Constants, mut notes_extra: Vec<String>, batch: usize, context: usize) -> Result<Report, String> {
+pub fn report(plan: &Plan, k: &Constants, mut notes_extra: Vec<String>, batch: usize, context: usize, count: usize) -> Result<Report, String> {
     let ranks = plan.ranks();
     let experts = |t: usize| uniform_experts(plan, t);
     let max_context = plan.memory.kv.max_context;
@@ -414,7 +415,7 @@ pub fn report(plan: &Plan, k: &Constants, mut notes_extra: Vec<String>, batch: u
             prefill.push(PrefillRow { chunk, prefix: c - chunk, step: StepPerf::of(p, c, chunk, &perf) });
         }
     }
-    let top = top(plan, k, batch, context.min(max_context))?;
+    let top = top(plan, k, batch, context.min(max_context), count)?;
     if context > max_context {
         notes_extra.push(format!("the detailed decode step is at context {max_context}, the plan's --max-context"));
     }
@@ -424,8 +425,8 @@ pub fn report(plan: &Plan, k: &Constants, mut notes_extra: Vec<String>, batch: u
 }
 
 /// The decode bucket holding `batch` sequences at `context`, its launches summed by kernel
-/// instance and grid, and its collectives by kind, longest first.
-pub fn top(plan: &Plan, k: &Constants, batch: usize, context: usize) -> Result<Top, String> {
+/// instance and grid, and its collectives by kind, the `count` longest first.
+pub fn top(plan: &Plan, k: &Constants, batch: usize, context: usize, count: usize) -> Result<Top, String> {
     let pi = plan.decode_program(batch.max(1)).ok_or_else(|| format!("the plan has no decode program for {batch} sequences"))?;
     let p = &plan.programs[pi];
     let perf = predict_program(plan, p, &Load::decode(p.tokens, batch.max(1), context, |t| uniform_experts(plan, t), plan.ranks()), k)?;
@@ -479,7 +480,7 @@ pub fn top(plan: &Plan, k: &Constants, batch: usize, context: usize) -> Result<T
         });
     }
     launches.sort_by(|a, b| b.ms_total.total_cmp(&a.ms_total));
-    launches.truncate(10);
+    launches.truncate(count);
     Ok(Top { program: p.name.clone(), batch: batch.max(1), context, step_ms: step_us / 1e3, launches })
 }
 

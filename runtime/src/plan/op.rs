@@ -87,8 +87,16 @@ pub enum Op {
     GatherRows { input: BufId, rows: BufId, out: BufId },
     /// Sum `buf` over all ranks in fixed rank order; every rank gets the sum.
     AllReduce { buf: BufId },
-    /// Concatenate each rank's `input` columns in rank order into `out` on every rank.
-    AllGather { input: BufId, out: BufId },
+    /// For each pair, concatenate each rank's `input` columns in rank order into `out` on every
+    /// rank (row by row); several pairs share one collective.
+    AllGather { pairs: Vec<GatherPair> },
+}
+
+/// One buffer of an [`Op::AllGather`]: this rank's columns and the gathered rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GatherPair {
+    pub input: BufId,
+    pub out: BufId,
 }
 
 /// The weights of a linear layer (or of a stack of experts, with a leading expert dimension).
@@ -156,7 +164,7 @@ impl Op {
             Op::Add { a, b, .. } => vec![*a, *b],
             Op::GatherRows { input, rows, .. } => vec![*input, *rows],
             Op::AllReduce { buf } => vec![*buf],
-            Op::AllGather { input, .. } => vec![*input],
+            Op::AllGather { pairs } => pairs.iter().map(|g| g.input).collect(),
         }
     }
 
@@ -166,8 +174,8 @@ impl Op {
             Op::Embed { out, .. }
             | Op::Linear { out, .. }
             | Op::Add { out, .. }
-            | Op::GatherRows { out, .. }
-            | Op::AllGather { out, .. } => vec![*out],
+            | Op::GatherRows { out, .. } => vec![*out],
+            Op::AllGather { pairs } => pairs.iter().map(|g| g.out).collect(),
             Op::RmsNorm { residual, out, .. } => std::iter::once(*out).chain(*residual).collect(),
             Op::MoeExperts { out, mid, acc, .. } => vec![*out, *mid, *acc],
             Op::Router { logits, ids, weights, .. } => vec![*logits, *ids, *weights],

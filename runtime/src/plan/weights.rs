@@ -19,12 +19,15 @@ impl TensorInfo {
     }
 }
 
-/// Hex SHA-256 over (name, dtype, shape) of `tensors`, in order: `Plan::fingerprint` is this over
-/// `Plan::tensors`; the runtime recomputes it over the user's headers to say how they differ.
+/// Hex SHA-256 over (name, dtype, shape) of `tensors` in name order (so it names the tensor table,
+/// not the order the compiler binds it in): `Plan::fingerprint` is this over `Plan::tensors`; the
+/// runtime recomputes it over the user's headers to say how they differ.
 pub fn fingerprint(tensors: &[TensorInfo]) -> String {
     use sha2::{Digest, Sha256};
+    let mut sorted: Vec<&TensorInfo> = tensors.iter().collect();
+    sorted.sort_by(|a, b| a.name.cmp(&b.name));
     let mut h = Sha256::new();
-    for t in tensors {
+    for t in sorted {
         h.update(t.name.as_bytes());
         h.update([0]);
         h.update(t.dtype.safetensors_name().as_bytes());

@@ -1,12 +1,12 @@
-//! The one-shot P2P collective (`p2p_collective.ptx`) of every all-reduce and all-gather whose
-//! per-rank buffer is at most `P2P_MAX_BYTES`: one block per rank sums (or places side by side)
+//! The one-shot P2P collective (`p2p_collective.ptx`) of every all-reduce and all-gather (of one
+//! or two buffers) whose per-rank part is at most `P2P_MAX_BYTES`: one block per rank sums (or places side by side)
 //! the ranks' buffers over peer memory. The runtime replays it instead of NCCL only when every
 //! GPU pair passed the peer write-and-verify probe; larger collectives and single-rank plans keep
 //! NCCL (or nothing).
 
 use super::{float_flag, of_grid, Cx, Instance};
 use crate::kernels::{P2pCollectiveArgs, P2pCollectiveParams, Ptr};
-use kiln_runtime::plan::{Op, P2pLayout, P2P_MAX_BYTES};
+use kiln_runtime::plan::{BufId, Op, P2pLayout, P2P_MAX_BYTES};
 
 /// Threads of the block: enough loads in flight for 64 KiB from each of 7 peers.
 const THREADS: u32 = 512;
@@ -16,36 +16,46 @@ const THREADS: u32 = 512;
 /// peer normally takes. A rank that never arrives becomes a launch error, not a hung graph.
 pub const P2P_SPINS: u32 = 1 << 25;
 
+/// The most buffers one P2P all-gather carries (the template's `buf` and `buf2`).
+pub const P2P_GATHER_PAIRS: usize = 2;
+
 pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
-    // (this rank's buffer, the result, bytes of a row of this rank's buffer)
-    let (buf, out, row) = match *op {
-        Op::AllReduce { buf } => (buf, buf, cx.program.buffer(buf).bytes),
-        Op::AllGather { input, out } => {
-            let b = cx.program.buffer(input);
-            (input, out, b.shape.last().copied().unwrap_or(1) as u64 * b.dtype.size() as u64)
+    let p = cx.program;
+    let row = |b: BufId| p.buffer(b).shape.last().copied().unwrap_or(1) as u64 * p.buffer(b).dtype.size() as u64;
+    // (this rank's buffers, the results, bytes of a row of each of this rank's buffers)
+    let (bufs, outs, rows): (Vec<BufId>, Vec<BufId>, Vec<u64>) = match op {
+        Op::AllReduce { buf } => (vec![*buf], vec![*buf], vec![p.buffer(*buf).bytes]),
+        Op::AllGather { pairs } if (1..=P2P_GATHER_PAIRS).contains(&pairs.len()) => {
+            (pairs.iter().map(|g| g.input).collect(), pairs.iter().map(|g| g.out).collect(), pairs.iter().map(|g| row(g.input)).collect())
         }
         _ => return Ok(Vec::new()),
     };
     let ranks = cx.plan.ranks();
-    let b = cx.program.buffer(buf);
-    if !(2..=8).contains(&ranks) || b.bytes > P2P_MAX_BYTES || b.bytes % 16 != 0 || b.bytes == 0 || row % 16 != 0 || row == 0 {
+    let sizes: Vec<u64> = bufs.iter().map(|&b| p.buffer(b).bytes).collect();
+    let bytes: u64 = sizes.iter().sum();
+    let aligned = sizes.iter().zip(&rows).all(|(&n, &r)| n > 0 && n % 16 == 0 && r > 0 && r % 16 == 0);
+    if !(2..=8).contains(&ranks) || bytes > P2P_MAX_BYTES || !aligned {
         return Ok(Vec::new());
     }
+    let gather = matches!(op, Op::AllGather { .. });
     let layout = P2pLayout { ranks: ranks as u64 };
     let params = P2pCollectiveParams {
         arch: cx.arch,
         ranks: ranks as u32,
-        gather: u32::from(buf != out),
-        bytes: b.bytes as u32,
-        row: row as u32,
+        gather: u32::from(gather),
+        bytes: bytes as u32,
+        part: sizes[0] as u32,
+        row: rows[0] as u32,
+        row2: *rows.last().unwrap_or(&rows[0]) as u32,
         // a gather copies bytes of any type
-        bf16: if buf == out { float_flag(b.dtype, "an all-reduced buffer")? } else { 0 },
+        bf16: if gather { 0 } else { float_flag(p.buffer(bufs[0]).dtype, "an all-reduced buffer")? },
         slot: P2P_MAX_BYTES as u32,
         flags: layout.flags() as u32,
         slots: layout.slots() as u32,
         threads: THREADS,
         spins: P2P_SPINS,
     };
-    let args = P2pCollectiveArgs { buf: Ptr::Buffer(buf), out: Ptr::Buffer(out), region: Ptr::P2pRegion, rank: 1 };
+    let second = |v: &[BufId]| Ptr::Buffer(*v.last().unwrap_or(&v[0]));
+    let args = P2pCollectiveArgs { buf: Ptr::Buffer(bufs[0]), buf2: second(&bufs), out: Ptr::Buffer(outs[0]), out2: second(&outs), region: Ptr::P2pRegion, rank: 1 };
     Ok(vec![of_grid(&params, [1, 1, 1], THREADS, args.launch_args())])
 }

@@ -18,7 +18,7 @@ mod moe;
 mod norm;
 mod router;
 
-pub use collective::P2P_SPINS;
+pub use collective::{P2P_GATHER_PAIRS, P2P_SPINS};
 pub use gemm::{bf16_gemm_form, Bf16Form};
 pub use indexer::SELECT_THREADS;
 pub use moe::{down_cols, gate_up_cols};
