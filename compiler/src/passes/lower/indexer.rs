@@ -11,8 +11,8 @@ use super::{float_flag, fits, numel, of, of_grid, width, Cx, Instance, THREADS};
 use crate::kernels::{IndexerTopkArgs, IndexerTopkParams, Ptr};
 use kiln_runtime::plan::{DType, Op};
 
-/// Static shared memory of the template (radix histogram + 4 counters).
-const STATIC_SMEM: usize = 256 * 4 + 16;
+/// Static shared memory of the template (radix histogram + 8 counters).
+const STATIC_SMEM: usize = 256 * 4 + 32;
 
 /// Threads (= positions per tile) of decode's scoring blocks.
 const SCORE_THREADS: u32 = 64;
