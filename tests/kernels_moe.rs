@@ -269,6 +269,8 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
         threads: THREADS,
         w_bf16: c.w_bf16 as u32,
         out_bf16: 1,
+        add: 0,
+        add_bf16: 0,
     };
     let mg = Module::parse(&pg.render().unwrap(), "moe_gate_up.ptx").unwrap();
     let md = Module::parse(&pd.render().unwrap(), "moe_down.ptx").unwrap();
@@ -291,7 +293,7 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
     let a = |b| KernelArg::U64(g.addr(b));
     let first_arg = KernelArg::U32(first as u32);
     let args1 = vec![a(bx), a(bids), a(bseq), a(bgw), a(bgs), a(bg2), a(bgi), a(bmid), first_arg.clone()];
-    let args2 = vec![a(bmid), a(bids), a(bseq), a(brw), a(bdw), a(bds), a(bd2), a(bdi), a(bacc), a(bout), first_arg];
+    let args2 = vec![a(bmid), a(bids), a(bseq), a(brw), a(bdw), a(bds), a(bd2), a(bdi), a(bacc), a(bout), a(bout), first_arg];
     let grid1 = [el as u32, (inter as u32).div_ceil(COLS), 1];
     let s1 = launch(&mg, MoeGateUpParams::ENTRY, grid1, [THREADS, 1, 1], pg.dynamic_smem().unwrap(), &args1, &mut g).unwrap();
     if !c.mma {
@@ -319,6 +321,19 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
         assert!(g.read(bout32) == g.read(bout), "down with 32 columns per block, unroll 3, differs from {COLS}, unroll 4");
     }
     let got: Vec<f32> = g.read(bout).chunks_exact(2).map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
+    // ADD: the shared experts' output added in the final store gives an add launch's bits (the
+    // rounded output plus shared, rounded), padding tokens included
+    let shared: Vec<f32> = (0..c.tokens * sh.hidden).map(|_| round_bf16((rng.normal() * 0.5) as f32)).collect();
+    let with_add = MoeDownParams { add: 1, add_bf16: 1, ..pd };
+    let ma = Module::parse(&with_add.render().unwrap(), "moe_down.ptx").unwrap();
+    let (bsh, bsum) = (g.alloc_bytes("shared", &bf16_bytes(&shared)), g.alloc("out_plus_shared", c.tokens * sh.hidden * 2));
+    let mut args_add = args2.clone();
+    args_add[9] = KernelArg::U64(g.addr(bsum));
+    args_add[10] = KernelArg::U64(g.addr(bsh));
+    launch(&ma, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(COLS), 1, 1], [THREADS, 1, 1], with_add.dynamic_smem().unwrap(), &args_add, &mut g).unwrap();
+    let summed: Vec<f32> = g.read(bsum).chunks_exact(2).map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
+    let off = summed.iter().zip(got.iter().zip(&shared)).filter(|(s, (o, v))| s.to_bits() != round_bf16(*o + *v).to_bits()).count();
+    assert_eq!(off, 0, "down with ADD: {off} values differ from round(out + shared)");
 
     let what = format!("moe sm_{arch}a {:?} {:?} tokens={} padding={:?} G={g1}/{g2} mma={}", sh, c.split, c.tokens, c.padding, c.mma);
     let cmp = compare(DType::BF16, &Values::F32(got.clone()), &Values::F32(want.clone()));
@@ -448,7 +463,7 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
             let cols = gate_up_cols(&Experts::uniform(tokens, top_k, 256, experts), inter, hidden, 2, mma, &Constants::SM120A);
             // loads ahead as the lowering picks them (four at G <= 4 would spill at larger G)
             let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), unroll: loads_ahead(g1), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: THREADS, x_bf16: 1 };
-            let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: if mma { COLS } else { 32 } /* down_cols at GLM-5 decode sizes */, lanes: lanes(inter), unroll: loads_ahead(g2), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1 };
+            let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: if mma { COLS } else { 32 } /* down_cols at GLM-5 decode sizes */, lanes: lanes(inter), unroll: loads_ahead(g2), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1 };
             out.push((format!("sm_{arch}a glm5 {mode} tokens={tokens} G={g1}/{g2} cols={cols} mma={mma}"), gu, dn));
         }
     }
@@ -457,7 +472,7 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
         let g1 = if mma { 32 } else { group(tokens, 384) };
         let g2 = if mma { 32 } else { group(tokens, 96) };
         let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, k: 256, g: g1 as u32, cols: COLS, lanes: lanes(256), unroll: loads_ahead(g1), mma: mma as u32, kc: 256, threads: THREADS, x_bf16: 1 };
-        let dn = MoeDownParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, hidden: 256, g: g2 as u32, cols: COLS, lanes: lanes(128), unroll: loads_ahead(g2), mma: mma as u32, kc: 128, threads: THREADS, w_bf16: 0, out_bf16: 1 };
+        let dn = MoeDownParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, hidden: 256, g: g2 as u32, cols: COLS, lanes: lanes(128), unroll: loads_ahead(g2), mma: mma as u32, kc: 128, threads: THREADS, w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1 };
         out.push((format!("sm_{arch}a tiny tokens={tokens} mma={mma}"), gu, dn));
     }
     out

@@ -261,7 +261,13 @@ impl<'a> Builder<'a> {
             LinearWeights::Nvfp4 { .. } => KernelFamily::MoeNvfp4,
             LinearWeights::Bf16 { .. } => KernelFamily::MoeBf16,
         };
-        let routed = self.tokens(format!("l{l}.routed"), DType::BF16, h);
+        // the shared experts first: the routed experts' final store adds their output
+        let shared = if c.n_shared_experts == 0 {
+            None
+        } else {
+            Some(self.mlp(&format!("{p}.shared_experts"), x, inter * c.n_shared_experts, WeightKind::SharedExperts, &format!("l{l}.shared"))?)
+        };
+        let out = self.tokens(format!("l{l}.moe_out"), DType::BF16, h);
         let mid = self.tokens(format!("l{l}.moe_mid"), DType::BF16, c.num_experts_per_tok * inter);
         let acc = self.tokens(format!("l{l}.moe_acc"), DType::F32, h);
         self.push(
@@ -275,18 +281,13 @@ impl<'a> Builder<'a> {
                 expert_parallel: false,
                 intermediate: inter,
                 hidden: h,
-                out: routed,
+                out,
                 mid,
                 acc,
+                shared,
             },
             kernel,
         );
-        if c.n_shared_experts == 0 {
-            return Ok(routed);
-        }
-        let shared = self.mlp(&format!("{p}.shared_experts"), x, inter * c.n_shared_experts, WeightKind::SharedExperts, &format!("l{l}.shared"))?;
-        let out = self.tokens(format!("l{l}.moe_out"), DType::BF16, h);
-        self.push(Op::Add { a: routed, b: shared, out }, KernelFamily::Add);
         Ok(out)
     }
 }

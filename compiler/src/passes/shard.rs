@@ -59,9 +59,14 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &Spl
     // the gathered pairs of split projections whose shared all-gather is still to come
     let mut pending = Vec::new();
     for (index, mut step) in std::mem::take(&mut graph.steps).into_iter().enumerate() {
-        // Complete every partial sum this op needs whole (Add is linear: it keeps partials).
+        // Complete every partial sum this op needs whole (Add is linear: it keeps partials, and so
+        // does the add of the shared experts' output into the routed experts').
+        let added = match step.op {
+            Op::MoeExperts { shared, .. } => shared,
+            _ => None,
+        };
         if !matches!(step.op, Op::Add { .. }) {
-            for v in step.op.reads() {
+            for v in step.op.reads().into_iter().filter(|&v| Some(v) != added) {
                 if partial[v.0 as usize] {
                     steps.push(Step { op: Op::AllReduce { buf: v }, kernel: KernelFamily::Collective, launches: Vec::new() });
                     partial[v.0 as usize] = false;
@@ -112,6 +117,11 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &Spl
                         *experts_local /= tp;
                         *expert_parallel = true;
                     }
+                }
+                // the routed sum is partial on every rank; a complete shared output added to it
+                // would count tp times
+                if let Some(sh) = added.filter(|sh| !partial[sh.0 as usize]) {
+                    return Err(CompileError::Verifier { pass: "shard", message: format!("the shared experts' output (value {}) is complete where the routed experts' sum is partial", sh.0) });
                 }
                 out_partial = true;
             }

@@ -89,11 +89,14 @@ fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -
                 return Err(format!("output {:?}, expected [{}, {want}]", shape(*out), rows(*input)));
             }
         }
-        Op::MoeExperts { input, ids, gate_up, down, experts_local, intermediate, hidden, out, .. } => {
+        Op::MoeExperts { input, ids, gate_up, down, experts_local, intermediate, hidden, out, shared, .. } => {
             linear(gate_up, &[*experts_local], 2 * intermediate, *hidden, 2)?;
             linear(down, &[*experts_local], *hidden, *intermediate, 1)?;
             if shape(*out) != shape(*input) || rows(*ids) != rows(*input) {
                 return Err("input/output/ids rows disagree".into());
+            }
+            if let Some(sh) = shared {
+                expect("shared", shape(*sh), shape(*out))?;
             }
         }
         Op::MlaAttention { q, kv_b, topk, heads, out, absorbed, partials, .. } => {

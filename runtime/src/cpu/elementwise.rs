@@ -26,6 +26,13 @@ pub(crate) fn add(a: &[f32], b: &[f32], round: Round, out: &mut [f32]) {
     }
 }
 
+/// `acc[i] = acc[i] + b[i]`, rounded: [`add`] in place (MoE's output plus the shared experts').
+pub(crate) fn add_in_place(acc: &mut [f32], b: &[f32], round: Round) {
+    for (v, &y) in acc.iter_mut().zip(b) {
+        *v = round.apply(*v + y);
+    }
+}
+
 /// `out[i] = src[rows[i]]` over rows of `h` values; an index outside `src` (negative included)
 /// gives zeros.
 pub(crate) fn gather_rows(src: &[f32], rows: &[i32], h: usize, round: Round, out: &mut [f32]) {

@@ -689,7 +689,7 @@ impl Rank {
                 self.i[ids.0 as usize] = ids_v;
                 self.f[weights.0 as usize] = w_v;
             }
-            Op::MoeExperts { input, ids, weights, ref gate_up, ref down, experts_local, expert_parallel, intermediate, hidden, out, .. } => {
+            Op::MoeExperts { input, ids, weights, ref gate_up, ref down, experts_local, expert_parallel, intermediate, hidden, out, shared, .. } => {
                 let stack = |w: &LinearWeights| match *w {
                     LinearWeights::Bf16 { weight } => moe::Stack::Bf16(slot_bytes(plan, &self.arena, weight)),
                     LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => moe::Stack::Nvfp4 {
@@ -725,6 +725,9 @@ impl Rank {
                     &mut s,
                     &mut o[..n(out)],
                 );
+                if let Some(sh) = shared {
+                    elementwise::add_in_place(&mut o[..n(out)], &self.f[sh.0 as usize][..n(sh)], round(out));
+                }
                 self.moe = s;
                 self.f[out.0 as usize] = o;
             }

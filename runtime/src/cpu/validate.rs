@@ -175,9 +175,12 @@ fn check_op(plan: &Plan, p: &Program, op: &Op) -> Result<(), String> {
             int(ids, t * params.top_k)?;
             float(weights, t * params.top_k)
         }
-        Op::MoeExperts { input, ids, weights, ref gate_up, ref down, experts_local, expert_parallel, intermediate, hidden, out, mid, acc } => {
+        Op::MoeExperts { input, ids, weights, ref gate_up, ref down, experts_local, expert_parallel, intermediate, hidden, out, mid, acc, shared } => {
             let top_k = width(p, ids);
             float(input, t * hidden)?;
+            if let Some(sh) = shared {
+                float(sh, t * hidden)?;
+            }
             int(ids, t * top_k)?;
             float(weights, t * top_k)?;
             float(out, t * hidden)?;

@@ -444,8 +444,11 @@ fn moe_down(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), Str
     let unique = used * hidden * inter * 9.0 / 16.0;
     let loads = groups * loaded * row;
     c.read(Class::Weights, unique, if unique > 0.0 { loads / unique } else { 0.0 });
-    // acc += w * y per (token, expert, column), then out = round(acc)
+    // acc += w * y per (token, expert, column), then out = round(acc) (plus the shared experts')
     c.read(Class::Activations, pairs * hidden * 4.0 + tokens * hidden * 4.0, 1.0);
+    if p.v("ADD")? == 1.0 {
+        c.read(Class::Activations, tokens * hidden * p.size("ADD_BF16")?, 1.0);
+    }
     c.write(pairs * hidden * 4.0 + tokens * hidden * p.size("OUT_BF16")?);
     if mma {
         c.flops.fp4_mma += groups * 32.0 * loaded * inter * 2.0;

@@ -80,6 +80,9 @@ pub enum Op {
         mid: BufId,
         /// ... and F32 `[tokens, hidden]`, the weighted sum over experts before rounding.
         acc: BufId,
+        /// Added to `out` after its rounding (the shared experts' output): the bits of an `Add`
+        /// after the op, without its launch.
+        shared: Option<BufId>,
     },
     /// `out = a + b` elementwise.
     Add { a: BufId, b: BufId, out: BufId },
@@ -160,7 +163,7 @@ impl Op {
             Op::IndexerTopK { q, head_weights, .. } => vec![*q, *head_weights],
             Op::MlaAttention { q, topk, .. } => std::iter::once(*q).chain(*topk).collect(),
             Op::Router { input, .. } => vec![*input],
-            Op::MoeExperts { input, ids, weights, .. } => vec![*input, *ids, *weights],
+            Op::MoeExperts { input, ids, weights, shared, .. } => [*input, *ids, *weights].into_iter().chain(*shared).collect(),
             Op::Add { a, b, .. } => vec![*a, *b],
             Op::GatherRows { input, rows, .. } => vec![*input, *rows],
             Op::AllReduce { buf } => vec![*buf],

@@ -122,7 +122,7 @@ pub fn decode_group(most: usize, routing: &Experts, weight_bytes: f64, row_flops
 }
 
 pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
-    let Op::MoeExperts { input, ids, weights, ref gate_up, ref down, experts_local, expert_parallel, intermediate, hidden, out, mid, acc } = *op
+    let Op::MoeExperts { input, ids, weights, ref gate_up, ref down, experts_local, expert_parallel, intermediate, hidden, out, mid, acc, shared } = *op
     else {
         return Err("not a MoE step".into());
     };
@@ -227,6 +227,8 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         threads: THREADS,
         w_bf16: float_flag(p.buffer(weights).dtype, "the routing weights")?,
         out_bf16: float_flag(p.buffer(out).dtype, "the output")?,
+        add: u32::from(shared.is_some()),
+        add_bf16: shared.map_or(Ok(0), |s| float_flag(p.buffer(s).dtype, "the shared experts' output"))?,
     };
     let dn_args = MoeDownArgs {
         mid: Ptr::Buffer(mid),
@@ -239,6 +241,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         input_scale: Ptr::Weight(di),
         acc: Ptr::Buffer(acc),
         out: Ptr::Buffer(out),
+        shared: Ptr::Buffer(shared.unwrap_or(out)),
         first_expert,
     };
     for smem in [gu.dynamic_smem()?, dn.dynamic_smem()?] {
