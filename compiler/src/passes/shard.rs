@@ -178,9 +178,9 @@ fn matrices(lw: &LinearWeights) -> Vec<WeightId> {
 /// streams against the one-shot P2P all-gather of one token's output. A split linear right after
 /// another (q_a then kv_a, both reading the attention input) joins its gather, up to
 /// `P2P_GATHER_PAIRS` buffers whose shares at the largest decode batch fit the P2P kernel, and
-/// pays only for its share of the transfer. A projection split
-/// this way must gather in a P2P kernel (its share of a row whole 16-byte chunks), since NCCL's
-/// 25 µs would cost more than any of them saves.
+/// pays only for its share of the transfer. A projection split this way must gather in a P2P
+/// kernel (its share of a row whole 16-byte chunks), since NCCL's 25 µs would cost more than any
+/// of them saves.
 fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> (BTreeMap<usize, bool>, Vec<ShardChoice>) {
     let k = &split.consts;
     let mut steps: BTreeMap<usize, bool> = BTreeMap::new();
