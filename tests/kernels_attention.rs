@@ -255,7 +255,7 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
         };
         let rpw = if c.tokens <= 4 { 1 } else if c.tokens <= 16 { 2 } else { 4 };
         let rpw = [rpw, 2, 1].into_iter().find(|r| *r <= rpw && g.v % (8 * r) == 0).unwrap();
-        let helper = |mode: u32| MlaSplitParams {
+        let helper = |mode: u32, dpl: u32| MlaSplitParams {
             arch: 120,
             heads: g.heads as u32,
             nope: g.nope as u32,
@@ -266,23 +266,32 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
             tokens: c.tokens as u32,
             splits: c.splits as u32,
             rpw: if mode == 2 { rpw as u32 } else { 1 },
+            dpl,
             threads: if mode == 1 { 32 } else { 256 },
             mode,
             q_bf16: c.q_bf16 as u32,
             out_bf16: c.out_bf16 as u32,
         };
         let hargs: Vec<KernelArg> = [bq, bw, ba, bpa, bo].iter().map(|&b| KernelArg::U64(gm.addr(b))).collect();
-        let run_helper = |mode: u32, grid: [u32; 3], gm: &mut GlobalMemory| {
-            let h = helper(mode);
+        let run_helper = |mode: u32, dpl: u32, grid: [u32; 3], gm: &mut GlobalMemory| {
+            let h = helper(mode, dpl);
             let m = Module::parse(&h.render().unwrap(), "mla_split.ptx").unwrap();
             launch(&m, MlaSplitParams::ENTRY, grid, [h.threads, 1, 1], h.dynamic_smem().unwrap(), &hargs, gm).unwrap()
         };
-        run_helper(0, [g.heads as u32, (g.latent / 32) as u32, 1], &mut gm);
+        run_helper(0, 4, [g.heads as u32, (g.latent / 32) as u32, 1], &mut gm);
         let module = Module::parse(&split.render().unwrap(), "mla_attention.ptx").unwrap();
         let grid = [(g.heads / c.hg) as u32, c.tokens as u32, c.splits as u32];
         let stats = launch(&module, MlaAttentionParams::ENTRY, grid, [threads, 1, 1], split.dynamic_smem().unwrap(), &args, &mut gm).unwrap();
-        run_helper(1, [(g.heads * nl) as u32, c.tokens as u32, 1], &mut gm);
-        run_helper(2, [(g.heads * g.v / (8 * rpw)) as u32, 1, 1], &mut gm);
+        // the combine with 1 and 2 latent dims per lane (more blocks, as small batches get) writes
+        // the 4-dim context bit for bit: every dim's sum is the same
+        let combine = |dpl: usize, gm: &mut GlobalMemory| {
+            run_helper(1, dpl as u32, [(g.heads * g.latent.div_ceil(32 * dpl)) as u32, c.tokens as u32, 1], gm);
+            gm.read(ba)
+        };
+        let (narrow, two) = (combine(1, &mut gm), combine(2, &mut gm));
+        let ctx = combine(4, &mut gm);
+        assert!(narrow == ctx && two == ctx, "the combine with 1 or 2 dims per lane differs from 4");
+        run_helper(2, 4, [(g.heads * g.v / (8 * rpw)) as u32, 1, 1], &mut gm);
         // kv_b is read once per step (W_UK by the absorb launch, W_UV by the output launch)
         assert_eq!(gm.bytes_loaded(bw), kv_b_bytes.len() as u64, "kv_b bytes read");
         stats
@@ -633,6 +642,8 @@ fn glm5_and_tiny_instances_assemble_for_sm_120a() {
                 tokens,
                 splits,
                 rpw: if mode == 2 { rpw } else { 1 },
+                // the combine at batch 1 takes one latent dim per lane (128 blocks)
+                dpl: if mode == 1 && tokens == 1 { 1 } else { 4 },
                 threads: if mode == 1 { 32 } else { 256 },
                 mode,
                 q_bf16: 1,

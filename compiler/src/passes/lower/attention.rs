@@ -219,6 +219,9 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     if !split {
         return Ok(vec![attention]);
     }
+    // the combine's latent dims per lane: the most (4) whose blocks still cover the SMs, else 1
+    let sms = cx.consts.sms as usize;
+    let dpl = [4usize, 2].into_iter().find(|d| heads * latent.div_ceil(32 * d) * tokens >= sms).unwrap_or(1);
     let helper = |mode: u32, rpw: usize| MlaSplitParams {
         arch: cx.arch,
         heads: heads as u32,
@@ -230,6 +233,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         tokens: tokens as u32,
         splits: n_splits as u32,
         rpw: rpw as u32,
+        dpl: if mode == 1 { dpl as u32 } else { 4 },
         threads: if mode == 1 { 32 } else { THREADS },
         mode,
         q_bf16,
@@ -242,7 +246,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     Ok(vec![
         of_grid(&absorb, [heads as u32, (latent / 32) as u32, 1], THREADS, args.clone()),
         attention,
-        of_grid(&combine, [(heads * nl) as u32, tokens as u32, 1], 32, args.clone()),
+        of_grid(&combine, [(heads * latent.div_ceil(32 * dpl)) as u32, tokens as u32, 1], 32, args.clone()),
         of_grid(&output, [(heads * v / (8 * rpw)) as u32, 1, 1], THREADS, args),
     ])
 }
