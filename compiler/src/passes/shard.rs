@@ -193,16 +193,17 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> (BTre
         let ids = matrices(weights);
         // one part only: the gather places each rank's share of a row side by side, which for
         // several parts would interleave them
-        if parts.len() != 1 || ids.iter().any(|id| graph.weights[id.0 as usize].role != ShardRole::Replicated) {
+        let [part] = parts.as_slice() else { continue };
+        if ids.iter().any(|id| graph.weights[id.0 as usize].role != ShardRole::Replicated) {
             continue;
         }
-        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        let rows = part.rows;
         let share = rows / tp * graph.values[out.0 as usize].dtype.size();
         let bytes: usize = ids.iter().map(|id| {
             let w = &graph.weights[id.0 as usize];
             w.pieces.len() * w.piece_shape.iter().product::<usize>() * w.dtype.size()
         }).sum();
-        let divides = parts.iter().all(|p| p.rows % tp == 0);
+        let divides = rows % tp == 0;
         let saved_us = bytes as f64 * (tp - 1) as f64 / tp as f64 / k.bytes_per_us();
         // joining the gather of the split linear just before: only this share's transfer
         let joins = group.filter(|&(last, n, b)| last + 1 == index && n < P2P_GATHER_PAIRS && ((b + share) * split.max_batch) as u64 <= k.p2p_max_bytes);

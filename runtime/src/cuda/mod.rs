@@ -268,12 +268,12 @@ impl CudaBackend {
             }
             let how = if backend.report.p2p { "the one-shot P2P kernel" } else { "NCCL" };
             eprintln!("kiln cuda: all-reduces and all-gathers up to {} KiB per GPU: {how} ({})", crate::plan::P2P_MAX_BYTES >> 10, backend.report.p2p_reason);
-            // beyond the logits' gather, a plan gathers the projections it split for the P2P path
-            let gathers = backend.plan.programs.iter().map(|p| p.steps.iter().filter(|s| matches!(s.op, Op::AllGather { .. })).count()).max().unwrap_or(0);
-            if !backend.report.p2p && gathers > 1 {
+            // the gathers of projections split for the P2P path (all but the logits')
+            let split_gathers = |p: &crate::plan::Program| p.steps.iter().filter(|s| matches!(&s.op, Op::AllGather { pairs } if pairs.iter().all(|g| g.out != p.logits))).count();
+            let gathers = backend.plan.programs.iter().map(split_gathers).max().unwrap_or(0);
+            if !backend.report.p2p && gathers > 0 {
                 eprintln!(
-                    "kiln cuda: warning: the plan splits replicated projections behind {} all-gathers per step, chosen for the P2P kernel; on NCCL each costs more than it saves: recompile with --split-projections none",
-                    gathers - 1
+                    "kiln cuda: warning: the plan splits replicated projections behind {gathers} all-gathers per step, chosen for the P2P kernel; on NCCL each costs more than it saves: recompile with --split-projections none"
                 );
             }
         }
