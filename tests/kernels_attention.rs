@@ -212,6 +212,7 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
         mode: 0,
         splits: 1,
         split: c.topk as u32,
+        stage: 0,
     };
     let mut gm = GlobalMemory::new();
     let bq = gm.alloc_bytes("q", &bytes(&q, c.q_bf16));
@@ -232,6 +233,7 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
     let bpa = gm.alloc_bytes("partials", &vec![0xFF; c.tokens.max(1) * c.splits.max(1) * g.heads * (g.latent + 4) * 4]);
     let mut args: Vec<KernelArg> = [bq, bw, bt, bp, bs, bpt, bc, br, bo, ba, bpa].iter().map(|&b| KernelArg::U64(gm.addr(b))).collect();
     args.push(KernelArg::F32(c.scale));
+    let (mut cache_read, mut staged_read) = (0u64, None);
     let stats = if c.splits == 0 {
         let module = Module::parse(&params.render().unwrap(), "mla_attention.ptx").unwrap();
         let grid = [(g.heads / c.hg) as u32, c.tokens as u32, 1];
@@ -282,6 +284,19 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
         let module = Module::parse(&split.render().unwrap(), "mla_attention.ptx").unwrap();
         let grid = [(g.heads / c.hg) as u32, c.tokens as u32, c.splits as u32];
         let stats = launch(&module, MlaAttentionParams::ENTRY, grid, [threads, 1, 1], split.dynamic_smem().unwrap(), &args, &mut gm).unwrap();
+        cache_read = gm.bytes_loaded(bc);
+        // STAGE (the tensor-core path with at most 2 warps, as lowering sets it): the tile's rows
+        // kept in shared memory for the context give the same partial states bit for bit, and
+        // the cache is read once per row
+        if layout.0 == 1 && (threads as usize / 32) * 16 * g.latent * 2 <= c.hg * nl * 1024 {
+            let unstaged = gm.read(bpa);
+            gm.write(bpa, 0, &vec![0xFF; unstaged.len()]);
+            let staged = MlaAttentionParams { stage: 1, ..split };
+            let m = Module::parse(&staged.render().unwrap(), "mla_attention.ptx").unwrap();
+            launch(&m, MlaAttentionParams::ENTRY, grid, [threads, 1, 1], staged.dynamic_smem().unwrap(), &args, &mut gm).unwrap();
+            assert!(gm.read(bpa) == unstaged, "the staged split states differ from the unstaged ones");
+            staged_read = Some(gm.bytes_loaded(bc) - cache_read);
+        }
         // the combine with 1 and 2 latent dims per lane (more blocks, as small batches get) writes
         // the 4-dim context bit for bit: every dim's sum is the same
         let combine = |dpl: usize, gm: &mut GlobalMemory| {
@@ -334,8 +349,11 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
         // split: each head group reads every selected row once over all its splits (the
         // tensor-core path: latent | rope for the scores, the latent again for the context)
         let want = groups * selected_rows * (g.latent + g.rope) * 2;
-        let ratio = gm.bytes_loaded(bc) as f64 / want.max(1) as f64;
-        eprintln!("T={} hg={} splits={} topk={}: cache {} B read / {want} B compulsory = {ratio:.3}", c.tokens, c.hg, c.splits, c.topk, gm.bytes_loaded(bc));
+        let ratio = cache_read as f64 / want.max(1) as f64;
+        eprintln!("T={} hg={} splits={} topk={}: cache {cache_read} B read / {want} B compulsory = {ratio:.3}; staged: {staged_read:?} B", c.tokens, c.hg, c.splits, c.topk);
+        if let Some(b) = staged_read {
+            assert_eq!(b as usize, want, "the staged launch reads the cache more than once per row");
+        }
         let mma_rows = (2 * g.latent + g.rope) as f64 / (g.latent + g.rope) as f64;
         assert!(want > 0 && (1.0..=if layout.0 == 1 { mma_rows } else { 1.0 }).contains(&ratio), "cache bytes read / compulsory = {ratio}");
     }
@@ -511,9 +529,10 @@ fn glm5_geometry_matches_the_cpu() {
 
 #[test]
 fn glm5_split_kv_decode_matches_the_cpu() {
-    // One GLM-5 tp8 rank's decode as lowered: 8 heads per block, k = 2048 in 64 splits of 32
-    // (batch 1) and 6 splits of 342 (batch 64), scores on the tensor cores and the CUDA cores.
-    for (splits, mma) in [(64, true), (6, true), (6, false)] {
+    // One GLM-5 tp8 rank's decode as lowered: 8 heads per block, k = 2048 in 128 splits of 16
+    // (batch 1; 64 of 32 at batch 8) and 6 splits of 342 (batch 64), scores on the tensor cores
+    // (with 2 warps the tile rows staged for the context) and the CUDA cores.
+    for (splits, mma) in [(128, true), (64, true), (6, true), (6, false)] {
         let mut c = case(3, 8, 2048);
         c.mma = mma;
         c.geo = Geo { heads: 8, nope: 192, rope: 64, v: 256, latent: 512, index: 128 };
@@ -580,6 +599,7 @@ fn glm5_and_tiny_instances_assemble_for_sm_120a() {
         mode: 0,
         splits: 1,
         split: topk,
+        stage: 0,
         }
     };
     let mut worst = (0, 0);
@@ -619,17 +639,19 @@ fn glm5_and_tiny_instances_assemble_for_sm_120a() {
             mode: 0,
             splits: 1,
             split: topk,
+            stage: 0,
         };
         ptxas_check(&format!("tiny_hg{hg}_k{topk}_t{threads}_mma{mma}"), &p, &ptxas);
     }
-    // split-KV decode: the split launch at batch 1 (64 splits of 32, 2 warps) and batch 64 (6 of
-    // 342, 8 warps), and the three mla_split launches at batches 1 and 64
-    for (splits, per, threads) in [(64u32, 32u32, 64u32), (6, 342, 256)] {
+    // split-KV decode: the split launch at batch 1 (128 splits of 16, 2 warps, the tile rows
+    // staged; and 64 of 32) and batch 64 (6 of 342, 8 warps), and the three mla_split launches at
+    // batches 1 (128 and 64 splits) and 64
+    for (splits, per, threads, stage) in [(128u32, 16u32, 64u32, 1u32), (64, 32, 64, 1), (64, 32, 64, 0), (6, 342, 256, 0)] {
         let chunk = per.div_ceil(threads) * threads;
-        let (r, s) = ptxas_check(&format!("glm5_split{splits}"), &MlaAttentionParams { mode: 1, splits, split: per, ..glm(8, threads, 2048, chunk, true) }, &ptxas);
+        let (r, s) = ptxas_check(&format!("glm5_split{splits}_stage{stage}"), &MlaAttentionParams { mode: 1, splits, split: per, stage, ..glm(8, threads, 2048, chunk, true) }, &ptxas);
         worst = (worst.0.max(r), worst.1.max(s));
     }
-    for (tokens, splits, rpw) in [(1u32, 64u32, 1u32), (64, 6, 4)] {
+    for (tokens, splits, rpw) in [(1u32, 128u32, 1u32), (1, 64, 1), (64, 6, 4)] {
         for mode in 0..3 {
             let h = MlaSplitParams {
                 arch: 120,

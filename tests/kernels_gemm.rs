@@ -16,8 +16,9 @@
 mod common;
 use common::{bytes, floats, randn};
 use kiln_compiler::kernels::{LinearBf16GemmParams, LinearNvfp4GemmParams};
-use kiln_compiler::passes::lower::bf16_gemm_form;
+use kiln_compiler::passes::lower::{bf16_gemm_form, nvfp4_gemm_form};
 use kiln_runtime::perf::Constants;
+use kiln_runtime::plan::SplitKLayout;
 use kiln_runtime::cpu::reference;
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
 use kiln_runtime::rng::Rng;
@@ -34,7 +35,7 @@ fn check(what: &str, bf16: bool, emu: &[f32], cpu: &[f32]) {
 
 /// The launches of an NVFP4 linear as lowering makes them: one per part, or one for SiLU-mul.
 /// The NVFP4 GEMM's form: tiled (64 x 128 blocks, stages of `ks` k64 steps in `nbuf` buffers)
-/// or split-K (16 * mt x 8 * nt blocks).
+/// or split-K (16 * mt x 8 * nt blocks, K over `slices` blocks).
 #[derive(Clone, Copy, Debug)]
 struct NvForm {
     split: u32,
@@ -42,23 +43,29 @@ struct NvForm {
     nbuf: u32,
     mt: u32,
     nt: u32,
+    slices: u32,
 }
 
 fn nv_tiled(ks: u32, nbuf: u32) -> NvForm {
-    NvForm { split: 0, ks, nbuf, mt: 1, nt: 2 }
+    NvForm { split: 0, ks, nbuf, mt: 1, nt: 2, slices: 1 }
 }
 
 fn nv_split(mt: u32, nt: u32) -> NvForm {
-    NvForm { split: 1, ks: 1, nbuf: 2, mt, nt }
+    NvForm { split: 1, ks: 1, nbuf: 2, mt, nt, slices: 1 }
+}
+
+fn nv_split_k(mt: u32, nt: u32, slices: u32) -> NvForm {
+    NvForm { slices, ..nv_split(mt, nt) }
 }
 
 #[allow(clippy::too_many_arguments)]
 fn nvfp4_launches(arch: u32, m: usize, k: usize, parts: &[usize], silu: bool, x_bf16: bool, out_bf16: bool, f: NvForm) -> Vec<(LinearNvfp4GemmParams, [u32; 3])> {
     let n: usize = parts.iter().sum();
-    let NvForm { split, ks, nbuf, mt, nt } = f;
-    let base = LinearNvfp4GemmParams { arch, m: m as u32, k: k as u32, rows: 0, row0: 0, up0: 0, part: 0, silu: 0, ldo: n as u32, col0: 0, ks, nbuf, split, mt, nt, threads: 256, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32 };
+    let NvForm { split, ks, nbuf, mt, nt, slices } = f;
+    let partials = if slices > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
+    let base = LinearNvfp4GemmParams { arch, m: m as u32, k: k as u32, rows: 0, row0: 0, up0: 0, part: 0, silu: 0, ldo: n as u32, col0: 0, ks, nbuf, split, slices, partials, mt, nt, threads: 256, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32 };
     let (bm, bn) = if split == 1 { (16 * mt as usize, 8 * nt as usize) } else { (NV_BM, NV_BN) };
-    let grid = |cols: usize, per: usize| [cols.div_ceil(per) as u32, m.div_ceil(bm) as u32, 1];
+    let grid = |cols: usize, per: usize| [cols.div_ceil(per) as u32, m.div_ceil(bm) as u32, slices];
     if silu {
         let p = LinearNvfp4GemmParams { rows: parts[0] as u32, up0: parts[0] as u32, silu: 1, ldo: parts[0] as u32, ..base };
         return vec![(p, grid(parts[0], bn / 2))];
@@ -124,25 +131,43 @@ fn nvfp4_case(c: &Nvfp4Case, arch: u32, seed: u64) -> u64 {
     let b2 = g.alloc_f32("scale_2", &s2);
     let bi = g.alloc_f32("input_scale", &input_scale);
     let bo = g.alloc("out", m * cols * if c.out_bf16 { 2 } else { 4 });
-    let args: Vec<KernelArg> = [bx, bw, bs, b2, bi, bo].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
-    let mut read = 0;
-    for (params, grid) in nvfp4_launches(arch, m, k, &c.parts, c.silu, c.x_bf16, c.out_bf16, fitted(arch, c)) {
-        let module = Module::parse(&params.render().unwrap(), "linear_nvfp4_gemm.ptx").unwrap();
-        let s: LaunchStats = launch(&module, LinearNvfp4GemmParams::ENTRY, grid, [256, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
-        read += s.global_bytes_read();
+    let region = g.alloc("split_k_region", SplitKLayout::BYTES as usize);
+    let args: Vec<KernelArg> = [bx, bw, bs, b2, bi, bo, region].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+    let what = format!("nvfp4 gemm sm_{arch}a M={m} parts={:?} K={k} silu={} {:?}", c.parts, c.silu, fitted(arch, c));
+    let launches = nvfp4_launches(arch, m, k, &c.parts, c.silu, c.x_bf16, c.out_bf16, fitted(arch, c));
+    let run = |g: &mut GlobalMemory| {
+        let mut read = 0;
+        for (params, grid) in &launches {
+            let module = Module::parse(&params.render().unwrap(), "linear_nvfp4_gemm.ptx").unwrap();
+            let s: LaunchStats = launch(&module, LinearNvfp4GemmParams::ENTRY, *grid, [256, 1, 1], params.dynamic_smem().unwrap(), &args, g).unwrap();
+            read += s.global_bytes_read();
+        }
+        read
+    };
+    let read = run(&mut g);
+    let out = g.read(bo);
+    let got = floats(&out, c.out_bf16);
+    check(&what, c.out_bf16, &got, &want);
+    if c.form.slices > 1 {
+        // every tile counter back at zero; a replay over the same region stores the same bits
+        assert!(g.read(region)[..4 * SplitKLayout::COUNTERS as usize].iter().all(|&b| b == 0), "{what}: a tile counter is not back at zero");
+        g.write(bo, 0, &vec![0xAB; out.len()]);
+        run(&mut g);
+        assert_eq!(g.read(bo), out, "{what}: the replay differs");
     }
-    let got = floats(&g.read(bo), c.out_bf16);
-    check(&format!("nvfp4 gemm sm_{arch}a M={m} parts={:?} K={k} silu={} {:?}", c.parts, c.silu, fitted(arch, c)), c.out_bf16, &got, &want);
     // Each row block streams its weight rows once and each column block its activation rows
     // once: nothing else is read (beyond the per-part scalars).
     let x_bytes = m * k * if c.x_bf16 { 2 } else { 4 };
     let (bm, bn) = if c.form.split == 1 { (16 * c.form.mt as usize, 8 * c.form.nt as usize) } else { (NV_BM, NV_BN) };
     let per = if c.silu { bn / 2 } else { bn };
     let col_blocks: usize = if c.silu { c.parts[0].div_ceil(per) } else { c.parts.iter().map(|r| r.div_ceil(per)).sum() };
-    let bound = (x_bytes * col_blocks + (packed.len() + scales.len()) * m.div_ceil(bm)) as u64;
+    // K slices: their partial sums read once more, and each block's counter
+    let slices = c.form.slices as usize;
+    let sums = if slices > 1 { slices * m * n * 4 + 4 * slices * col_blocks * m.div_ceil(bm) } else { 0 };
+    let bound = (x_bytes * col_blocks + (packed.len() + scales.len()) * m.div_ceil(bm) + sums) as u64;
     let compulsory = (x_bytes + packed.len() + scales.len()) as u64;
     eprintln!("  {read} B read, {:.3} x compulsory, {:.3} x the tiled bound", read as f64 / compulsory as f64, read as f64 / bound as f64);
-    assert!(read <= bound + 64 * col_blocks as u64 * m.div_ceil(bm) as u64, "{read} B read > {bound} B");
+    assert!(read <= bound + 64 * (col_blocks * m.div_ceil(bm) * slices) as u64, "{read} B read > {bound} B");
     read
 }
 
@@ -198,6 +223,25 @@ fn split_k_nvfp4_gemm_matches_the_cpu_for_decode_sized_m() {
 }
 
 #[test]
+fn split_k_nvfp4_gemm_across_blocks_matches_the_cpu_and_replays_the_same_bits() {
+    let c = |m, parts: Vec<usize>, k, silu, x_bf16, out_bf16, split_scales, form| Nvfp4Case { m, parts, k, silu, x_bf16, out_bf16, split_scales, form, scale_mul: 1.0 };
+    let cases = [
+        // the shared expert's gate/up (K = 6144, 96 k64 steps) at batch 1 over 12 slices, and at
+        // batch 64 over 3; a last slice shorter than the others (20 steps over 2: 10 + 10; 17
+        // over 2: 9 + 8), K with a 16-wide tail, two parts (a launch each), f32 in and out
+        c(1, vec![24, 24], 6144, true, true, true, false, nv_split_k(1, 2, 12)),
+        c(64, vec![16, 16], 6144, true, true, true, true, nv_split_k(2, 2, 3)),
+        c(3, vec![40], 1280, false, true, false, false, nv_split_k(1, 4, 2)),
+        c(17, vec![24, 40], 1040, false, false, false, true, nv_split_k(2, 2, 2)),
+    ];
+    for (i, case) in cases.iter().enumerate() {
+        for arch in [120, 90] {
+            nvfp4_case(case, arch, 940 + i as u64);
+        }
+    }
+}
+
+#[test]
 fn gemms_match_the_cpu_at_glm5_depth() {
     // GLM-5's K = 6144 (48 stages of 128), tp8 shared-expert gate/up sized rows, M over a tile;
     // and a BF16 kv_a-like projection (K = 6144 -> 576 rows cut to 136 here).
@@ -209,7 +253,8 @@ fn gemms_match_the_cpu_at_glm5_depth() {
 }
 
 /// The BF16 GEMM's form: `split` 0 tiled (`mt` m16 tiles per warp, 32 * mt x 128 blocks, stages
-/// of `kb` k16 steps in `nbuf` buffers) or 1 split-K (16 * mt x 8 * nt blocks).
+/// of `kb` k16 steps in `nbuf` buffers) or 1 split-K (16 * mt x 8 * nt blocks, K over `ks`
+/// blocks).
 #[derive(Clone, Copy)]
 struct Form {
     split: u32,
@@ -217,18 +262,23 @@ struct Form {
     nt: u32,
     kb: u32,
     nbuf: u32,
+    ks: u32,
 }
 
 fn tiled(mt: u32, kb: u32, nbuf: u32) -> Form {
-    Form { split: 0, mt, nt: 1, kb, nbuf }
+    Form { split: 0, mt, nt: 1, kb, nbuf, ks: 1 }
 }
 
 fn split(mt: u32, nt: u32) -> Form {
-    Form { split: 1, mt, nt, kb: 2, nbuf: 2 }
+    Form { split: 1, mt, nt, kb: 2, nbuf: 2, ks: 1 }
+}
+
+fn split_k(mt: u32, nt: u32, ks: u32) -> Form {
+    Form { ks, ..split(mt, nt) }
 }
 
 fn bf16_case(m: usize, n: usize, k: usize, x_bf16: bool, out_bf16: bool, f: Form, seed: u64) -> u64 {
-    let Form { split, mt, nt, kb, nbuf } = f;
+    let Form { split, mt, nt, kb, nbuf, ks } = f;
     let (bm, bn) = if split == 1 { (16 * mt as usize, 8 * nt as usize) } else { (32 * mt as usize, BF_BN) };
     let mut rng = Rng::new(seed);
     let x = randn(&mut rng, m * k, 1.0, x_bf16);
@@ -236,18 +286,33 @@ fn bf16_case(m: usize, n: usize, k: usize, x_bf16: bool, out_bf16: bool, f: Form
     let wb = bytes(&w, true);
     let mut want = vec![0f32; m * n];
     reference::linear_bf16(&x, m, &wb, k, n, out_bf16, &mut want);
-    let params = LinearBf16GemmParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, split, mt, nt, kb, nbuf, threads: 256, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32 };
+    let partials = if ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
+    let params = LinearBf16GemmParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, split, ks, partials, mt, nt, kb, nbuf, threads: 256, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32 };
     let module = Module::parse(&params.render().unwrap(), "linear_bf16_gemm.ptx").unwrap();
     let mut g = GlobalMemory::new();
     let bx = g.alloc_bytes("x", &bytes(&x, x_bf16));
     let bw = g.alloc_bytes("w", &wb);
     let bo = g.alloc("out", m * n * if out_bf16 { 2 } else { 4 });
-    let args: Vec<KernelArg> = [bx, bw, bo].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
-    let grid = [n.div_ceil(bn) as u32, m.div_ceil(bm) as u32, 1];
+    let region = g.alloc("split_k_region", SplitKLayout::BYTES as usize);
+    let args: Vec<KernelArg> = [bx, bw, bo, region].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+    let (gx, gy) = (n.div_ceil(bn), m.div_ceil(bm));
+    let grid = [gx as u32, gy as u32, ks];
+    let what = format!("bf16 gemm M={m} N={n} K={k} x_bf16={x_bf16} out_bf16={out_bf16} split={split} mt={mt} nt={nt} kb={kb} nbuf={nbuf} ks={ks}");
     let s = launch(&module, LinearBf16GemmParams::ENTRY, grid, [256, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
-    check(&format!("bf16 gemm M={m} N={n} K={k} x_bf16={x_bf16} out_bf16={out_bf16} split={split} mt={mt} nt={nt} kb={kb} nbuf={nbuf}"), out_bf16, &floats(&g.read(bo), out_bf16), &want);
+    let out = g.read(bo);
+    check(&what, out_bf16, &floats(&out, out_bf16), &want);
+    if ks > 1 {
+        // every tile's counter is back at zero, and a second launch over the same region (a
+        // graph replay) stores the same bits whichever block arrived last
+        let counters = g.read(region);
+        assert!(counters[..4 * gx * gy].iter().all(|&b| b == 0), "{what}: a tile counter is not back at zero");
+        g.write(bo, 0, &vec![0xAB; out.len()]);
+        launch(&module, LinearBf16GemmParams::ENTRY, grid, [256, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+        assert_eq!(g.read(bo), out, "{what}: the replay differs");
+    }
     let x_bytes = m * k * if x_bf16 { 2 } else { 4 };
-    let bound = (x_bytes * n.div_ceil(bn) + wb.len() * m.div_ceil(bm)) as u64;
+    // K slices: the partials are read once more, and each block's counter
+    let bound = (x_bytes * gx + wb.len() * gy + if ks > 1 { ks as usize * m * n * 4 + 4 * gx * gy * ks as usize } else { 0 }) as u64;
     let read = s.global_bytes_read();
     eprintln!("  {read} B read, {:.3} x compulsory, {:.3} x the tiled bound", read as f64 / (x_bytes + wb.len()) as f64, read as f64 / bound as f64);
     assert!(read <= bound, "{read} B read > {bound} B");
@@ -295,6 +360,25 @@ fn split_k_bf16_gemm_matches_the_cpu_for_decode_sized_m() {
     }
 }
 
+#[test]
+fn split_k_across_blocks_matches_the_cpu_and_replays_the_same_bits() {
+    // (M, N, K, x BF16, out BF16, m16 tiles, n8 tiles, K slices): GLM-5's indexer head weights
+    // (32 x 6144) and q_a-like rows at batch 1 and 64, a last slice shorter than the others
+    // (384 k16 steps over 24 = 16 each; 300 steps over 16: 19, the last 15), K with an 8 tail,
+    // F32 activations and outputs, several row blocks.
+    let cases = [
+        (1, 32, 6144, true, false, 1, 1, 24),
+        (1, 72, 6144, true, true, 1, 4, 16),
+        (64, 40, 4800, true, true, 4, 1, 16),
+        (3, 24, 4104, false, false, 1, 2, 12),
+        (50, 48, 2056, false, true, 2, 2, 8),
+        (17, 8, 520, true, true, 2, 1, 2),
+    ];
+    for (i, &(m, n, k, x_bf16, out_bf16, mt, nt, ks)) in cases.iter().enumerate() {
+        bf16_case(m, n, k, x_bf16, out_bf16, split_k(mt, nt, ks), 820 + i as u64);
+    }
+}
+
 /// (registers, spill bytes, static smem) of one rendered kernel.
 fn assemble(ptxas: &std::path::Path, name: &str, ptx: &str) -> (u32, u32, u32) {
     let r = common::assemble(ptxas, name, ptx).unwrap_or_else(|e| panic!("{e}"));
@@ -310,12 +394,10 @@ fn glm5_prefill_shapes_assemble_without_spills() {
     for (arch, m) in [120, 90].into_iter().flat_map(|a| [1usize, 16, 32, 33, 2048, 8192].map(|m| (a, m))) {
         for &(k, parts, silu) in &[(6144, &[1536, 1536][..], true), (6144, &[256, 256][..], true), (1536, &[6144][..], false), (256, &[6144][..], false), (6144, &[2048][..], false), (2048, &[6144][..], false), (6144, &[1536, 576][..], false), (80, &[40, 150][..], false), (272, &[72, 72][..], true)] {
             for (x_bf16, out_bf16) in [(true, true), (false, false)] {
-                // as lowering picks them (sm_90a's larger stages: one buffer fewer)
-                let form = if m <= 32 {
-                    nv_split(m.div_ceil(16) as u32, if silu { 2 } else { 4 })
-                } else {
-                    nv_tiled(1, if silu { 3 } else { 4 } - (arch == 90) as u32)
-                };
+                // as lowering picks them (188 SMs; sm_90a's larger stages: one buffer fewer)
+                let widest = parts.iter().copied().max().unwrap();
+                let ((split, mt, nt, slices), _) = nvfp4_gemm_form(m, widest, k, silu, x_bf16, &Constants::SM120A);
+                let form = if split == 1 { nv_split_k(mt, nt, slices) } else { nv_tiled(1, if silu { 3 } else { 4 } - (arch == 90) as u32) };
                 for (p, _) in nvfp4_launches(arch, m, k, parts, silu, x_bf16, out_bf16, form) {
                     let name = format!("nvfp4_sm{arch}_m{m}_k{k}_rows{}_silu{}_x{}_o{}_{form:?}", p.rows, p.silu, p.x_bf16, p.out_bf16).replace([' ', ',', '{', '}', ':'], "");
                     kernels.push((name, p.render().unwrap(), p.dynamic_smem().unwrap()));
@@ -328,16 +410,17 @@ fn glm5_prefill_shapes_assemble_without_spills() {
         for &(n, k) in &[(2048u32, 6144u32), (6144, 2048), (576, 6144), (19360, 6144), (40, 80), (150, 1040)] {
             for (x_bf16, out_bf16) in [(1, 1), (1, 0), (0, 0)] {
                 // as lowering picks them (188 SMs)
-                let picked = bf16_gemm_form(m as usize, n as usize, k as usize, x_bf16 == 1, &Constants::SM120A);
+                let (picked, _) = bf16_gemm_form(m as usize, n as usize, k as usize, x_bf16 == 1, &Constants::SM120A);
                 let f = if picked.split == 1 {
-                    split(picked.mt, picked.nt)
+                    split_k(picked.mt, picked.nt, picked.ks)
                 } else if picked.mt == 4 {
                     tiled(4, 2, 4)
                 } else {
                     tiled(2, 2, 3)
                 };
-                let p = LinearBf16GemmParams { arch, m, n, k, split: f.split, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16, out_bf16 };
-                kernels.push((format!("bf16_sm{arch}_m{m}_n{n}_k{k}_x{x_bf16}_o{out_bf16}_s{}_mt{}_nt{}_kb{}_nbuf{}", f.split, f.mt, f.nt, f.kb, f.nbuf), p.render().unwrap(), p.dynamic_smem().unwrap()));
+                let partials = if f.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
+                let p = LinearBf16GemmParams { arch, m, n, k, split: f.split, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16, out_bf16 };
+                kernels.push((format!("bf16_sm{arch}_m{m}_n{n}_k{k}_x{x_bf16}_o{out_bf16}_s{}_mt{}_nt{}_kb{}_nbuf{}_ks{}", f.split, f.mt, f.nt, f.kb, f.nbuf, f.ks), p.render().unwrap(), p.dynamic_smem().unwrap()));
             }
         }
     }

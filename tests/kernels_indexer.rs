@@ -302,6 +302,18 @@ fn token_counts_1_and_3_and_f32_q_bf16_weights() {
 }
 
 #[test]
+fn a_head_width_the_threads_do_not_divide_rotates_q_pair_by_pair() {
+    // DIM = 24: 12 pairs per head do not divide the block's threads, so each thread loads the
+    // table entry of every rope pair it takes (the other geometries load theirs once)
+    let (page, pps) = (16, 48);
+    let mut rng = Rng::new(14);
+    let table = shuffled_tables(&mut rng, 2, pps, 2 * pps);
+    let tokens = vec![(1, 700), (0, 20), (-1, 3), (1, 400)];
+    let c = Case { heads: 8, dim: 24, rope: 8, page, pages: 2 * pps, topk: 16, table, tokens, q_bf16: true, w_bf16: true, ties: vec![], zero_q: vec![], near_ties: false };
+    run(&c, 25);
+}
+
+#[test]
 fn larger_topk_compacts_the_candidates_many_times() {
     // top-40 (P2 = 64, capacity 320: a compaction about every tile) and top-300 (P2 = 512),
     // sequences of 1000 positions in 64-token pages; positions with increasing scores would

@@ -271,6 +271,7 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
         out_bf16: 1,
         add: 0,
         add_bf16: 0,
+        stage: 0,
     };
     let mg = Module::parse(&pg.render().unwrap(), "moe_gate_up.ptx").unwrap();
     let md = Module::parse(&pd.render().unwrap(), "moe_down.ptx").unwrap();
@@ -320,6 +321,21 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
         launch(&mn, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(32), 1, 1], [THREADS, 1, 1], narrow.dynamic_smem().unwrap(), &args32, &mut g).unwrap();
         assert!(g.read(bout32) == g.read(bout), "down with 32 columns per block, unroll 3, differs from {COLS}, unroll 4");
     }
+    // STAGE: the routing copied to shared memory once, every expert's scan reading it there,
+    // writes the same bits
+    let staged = MoeDownParams { stage: 1, ..pd };
+    let ms = Module::parse(&staged.render().unwrap(), "moe_down.ptx").unwrap();
+    let (bacc_s, bout_s) = (g.alloc("acc_staged", c.tokens * sh.hidden * 4), g.alloc("out_staged", c.tokens * sh.hidden * 2));
+    let mut args_s = args2.clone();
+    args_s[8] = KernelArg::U64(g.addr(bacc_s));
+    args_s[9] = KernelArg::U64(g.addr(bout_s));
+    let ids_read = g.bytes_loaded(bids);
+    launch(&ms, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(COLS), 1, 1], [THREADS, 1, 1], staged.dynamic_smem().unwrap(), &args_s, &mut g).unwrap();
+    assert!(g.read(bout_s) == g.read(bout), "down with the routing staged in shared memory differs");
+    // ... reading the routing from global memory once per block (the marking), at most
+    let active = r.token_seq.iter().filter(|&&t| t >= 0).count();
+    let blocks = (sh.hidden as u32).div_ceil(COLS) as u64;
+    assert!(g.bytes_loaded(bids) - ids_read <= blocks * (active * sh.top_k * 4) as u64, "staged down re-reads the routing");
     let got: Vec<f32> = g.read(bout).chunks_exact(2).map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
     // ADD: the shared experts' output added in the final store gives an add launch's bits (the
     // rounded output plus shared, rounded), padding tokens included
@@ -450,6 +466,13 @@ fn glm5_decode_moe_reads_the_selected_experts_once() {
     }
 }
 
+/// The down launch with the routing staged in shared memory where it fits, as lowering does it
+/// (1 KiB left for the static arrays).
+fn staged_where_it_fits(dn: MoeDownParams) -> MoeDownParams {
+    let fits = dn.dynamic_smem().unwrap() as usize + 1024 <= SMEM_LIMIT as usize;
+    MoeDownParams { stage: fits as u32, ..dn }
+}
+
 /// (name, gate/up params, down params) of the GLM-5 tp8 instances the lowering emits for `arch`.
 fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
     let (hidden, top_k) = (6144usize, 8usize);
@@ -463,8 +486,8 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
             let cols = gate_up_cols(&Experts::uniform(tokens, top_k, 256, experts), inter, hidden, 2, mma, &Constants::SM120A);
             // loads ahead as the lowering picks them (four at G <= 4 would spill at larger G)
             let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), unroll: loads_ahead(g1), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: THREADS, x_bf16: 1 };
-            let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: if mma { COLS } else { 32 } /* down_cols at GLM-5 decode sizes */, lanes: lanes(inter), unroll: loads_ahead(g2), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1 };
-            out.push((format!("sm_{arch}a glm5 {mode} tokens={tokens} G={g1}/{g2} cols={cols} mma={mma}"), gu, dn));
+            let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: if mma { COLS } else { 32 } /* down_cols at GLM-5 decode sizes */, lanes: lanes(inter), unroll: loads_ahead(g2), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1, stage: 1 };
+            out.push((format!("sm_{arch}a glm5 {mode} tokens={tokens} G={g1}/{g2} cols={cols} mma={mma}"), gu, staged_where_it_fits(dn)));
         }
     }
     // and the tiny model's
@@ -472,8 +495,8 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
         let g1 = if mma { 32 } else { group(tokens, 384) };
         let g2 = if mma { 32 } else { group(tokens, 96) };
         let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, k: 256, g: g1 as u32, cols: COLS, lanes: lanes(256), unroll: loads_ahead(g1), mma: mma as u32, kc: 256, threads: THREADS, x_bf16: 1 };
-        let dn = MoeDownParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, hidden: 256, g: g2 as u32, cols: COLS, lanes: lanes(128), unroll: loads_ahead(g2), mma: mma as u32, kc: 128, threads: THREADS, w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1 };
-        out.push((format!("sm_{arch}a tiny tokens={tokens} mma={mma}"), gu, dn));
+        let dn = MoeDownParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, hidden: 256, g: g2 as u32, cols: COLS, lanes: lanes(128), unroll: loads_ahead(g2), mma: mma as u32, kc: 128, threads: THREADS, w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1, stage: 1 };
+        out.push((format!("sm_{arch}a tiny tokens={tokens} mma={mma}"), gu, staged_where_it_fits(dn)));
     }
     out
 }

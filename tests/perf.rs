@@ -16,7 +16,7 @@
 
 use kiln_runtime::emu::{self, BufferId, GlobalMemory, KernelArg, Module};
 use kiln_runtime::perf::{launch_cost, Bytes, Experts, Load, Tokens};
-use kiln_runtime::plan::{BufId, DType, LaunchArg, Op, Plan, Program};
+use kiln_runtime::plan::{BufId, DType, LaunchArg, Op, Plan, Program, SplitKLayout};
 use kiln_runtime::session::{LogitRows, Session, SessionOptions};
 use kiln_runtime::verify::{StepInputs, StepRegions, Values};
 use std::collections::{BTreeMap, HashMap};
@@ -190,6 +190,8 @@ fn counters(g: &GlobalMemory, r: &StepRegions<BufferId>, inputs: &[BufId]) -> By
     b.weights = r.weights.iter().map(|(_, id, _)| g.bytes_loaded(*id) as f64).sum();
     b.kv = r.layers.iter().map(|(_, id, _)| g.bytes_loaded(*id) as f64).sum();
     b.aux += r.rope.as_ref().map_or(0.0, |(id, _)| g.bytes_loaded(*id) as f64);
+    // the split-K GEMM's partial sums and tile counters: activations
+    b.activations += r.split_k.as_ref().map_or(0.0, |(id, _)| g.bytes_loaded(*id) as f64);
     b
 }
 
@@ -326,6 +328,7 @@ fn emulate_crafted(plan: &Plan, p: &Program, s: usize, active: usize, first: u32
                 LaunchArg::KvCache { layer } => (format!("kv{layer}"), kv.layer_bytes() as usize, "kv"),
                 LaunchArg::RopeTable => ("rope".into(), kv.rope_table_bytes() as usize, "aux"),
                 LaunchArg::P2pRegion => panic!("the P2P all-reduce is a collective: not a crafted step"),
+                LaunchArg::SplitKRegion => ("split_k".into(), SplitKLayout::BYTES as usize, "act"),
                 LaunchArg::U32(v) => {
                     args.push(KernelArg::U32(v));
                     continue;
@@ -400,10 +403,12 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
     let plan = kiln_runtime::plan::read_plan(&dir.join("plan")).expect("plan");
     // (what, program, predicate on the step's first launch, real tokens, first position)
     type Pick = (&'static str, &'static str, fn(&Plan, &kiln_runtime::plan::Launch) -> bool, usize, u32);
-    let picks: [Pick; 11] = [
+    let picks: [Pick; 13] = [
         ("rmsnorm over column blocks", "decode_1", |pl, l| plan_template(pl, l) == "rmsnorm" && param(pl, l, "CB") > 1, 1, 300),
         ("residual add, then the rmsnorm over column blocks", "decode_1", |pl, l| plan_template(pl, l) == "add", 1, 300),
         ("split-K BF16 GEMM", "decode_32", |pl, l| plan_template(pl, l) == "linear_bf16_gemm" && param(pl, l, "SPLIT") == 1 && param(pl, l, "N") == 32, 32, 300),
+        ("BF16 GEMM with K over blocks at batch 1", "decode_1", |pl, l| plan_template(pl, l) == "linear_bf16_gemm" && param(pl, l, "KS") > 1 && param(pl, l, "N") == 72, 1, 300),
+        ("NVFP4 SiLU GEMM with K over blocks at batch 1", "decode_1", |pl, l| plan_template(pl, l) == "linear_nvfp4_gemm" && param(pl, l, "SLICES") > 1 && param(pl, l, "SILU") == 1, 1, 300),
         ("split-K NVFP4 SiLU GEMM", "decode_32", |pl, l| plan_template(pl, l) == "linear_nvfp4_gemm" && param(pl, l, "SPLIT") == 1 && param(pl, l, "SILU") == 1, 32, 300),
         ("split-KV attention over 2048 selected of 3000", "decode_1", |pl, l| plan_template(pl, l) == "mla_split", 1, 2999),
         ("split-KV attention, 3 of 64 tokens", "decode_64", |pl, l| plan_template(pl, l) == "mla_split", 3, 150),

@@ -16,7 +16,7 @@ use crate::cpu::Inputs;
 use crate::emu::{self, BufferId, GlobalMemory, KernelArg, Module, GLOBAL_BASE};
 use crate::error::RuntimeError;
 use crate::numerics::{bytes_floats, float_bytes};
-use crate::plan::{BufId, DType, LaunchArg, Op, P2pLayout, Plan, Program};
+use crate::plan::{BufId, DType, LaunchArg, Op, P2pLayout, Plan, Program, SplitKLayout};
 
 /// One simulated GPU.
 struct Device {
@@ -30,6 +30,8 @@ struct Device {
     rope: BufferId,
     /// The P2P collective region (plans whose collectives have a P2P launch).
     p2p: Option<BufferId>,
+    /// The split-K region (plans with a cross-block split-K GEMM), zeroed.
+    split_k: Option<BufferId>,
 }
 
 pub struct EmuBackend {
@@ -69,6 +71,7 @@ impl EmuBackend {
         let workspace = plan.memory.workspace.max(4) as usize;
         let p2p = plan.ranks() > 1 && plan.programs.iter().flat_map(|p| &p.steps).any(|s| s.p2p_collective());
         let layout = P2pLayout { ranks: plan.ranks() as u64 };
+        let split_k = plan.uses_split_k();
         let mut devices: Vec<Device> = arenas
             .into_iter()
             .enumerate()
@@ -80,7 +83,8 @@ impl EmuBackend {
                 let kv = (0..kv.layers).map(|l| mem.alloc(&format!("kv_cache.layer{l}"), kv.layer_bytes() as usize)).collect();
                 let rope = mem.alloc_bytes("rope_table", &rope);
                 let p2p = p2p.then(|| mem.alloc("p2p_region", layout.bytes() as usize));
-                Device { rank, mem, arena, workspace, kv, rope, p2p }
+                let split_k = split_k.then(|| mem.alloc("split_k_region", SplitKLayout::BYTES as usize));
+                Device { rank, mem, arena, workspace, kv, rope, p2p, split_k }
             })
             .collect();
         // every region starts with the table of all ranks' regions
@@ -164,6 +168,7 @@ impl Device {
             }
             LaunchArg::RopeTable => KernelArg::U64(self.mem.addr(self.rope)),
             LaunchArg::P2pRegion => KernelArg::U64(self.mem.addr(self.p2p.ok_or("no P2P region on this device")?)),
+            LaunchArg::SplitKRegion => KernelArg::U64(self.mem.addr(self.split_k.ok_or("no split-K region on this device")?)),
             LaunchArg::U32(v) => KernelArg::U32(v),
             LaunchArg::F32(v) => KernelArg::F32(v),
             LaunchArg::PerRank(v) => KernelArg::U32(LaunchArg::per_rank(v, self.rank).ok_or_else(|| format!("rank {} x {v} overflows a u32", self.rank))?),

@@ -121,13 +121,15 @@ pub struct StepRegions<H> {
     pub weights: Vec<(WeightId, H, u64)>,
     pub layers: Vec<(u32, H, u64)>,
     pub rope: Option<(H, u64)>,
+    /// The split-K region ([`crate::plan::SplitKLayout`]), uploaded zeroed.
+    pub split_k: Option<(H, u64)>,
     /// Bytes the step must read at least: every distinct weight slot and input buffer once.
     pub compulsory: u64,
 }
 
 impl<H> Default for StepRegions<H> {
     fn default() -> Self {
-        StepRegions { bufs: Vec::new(), weights: Vec::new(), layers: Vec::new(), rope: None, compulsory: 0 }
+        StepRegions { bufs: Vec::new(), weights: Vec::new(), layers: Vec::new(), rope: None, split_k: None, compulsory: 0 }
     }
 }
 
@@ -183,6 +185,14 @@ impl<H> StepRegions<H> {
                     None => {
                         let (h, addr) = upload("rope_table", st.rope_table)?;
                         self.rope = Some((h, addr));
+                        addr
+                    }
+                }),
+                LaunchArg::SplitKRegion => ArgValue::Addr(match &self.split_k {
+                    Some((_, addr)) => *addr,
+                    None => {
+                        let (h, addr) = upload("split_k_region", &vec![0; crate::plan::SplitKLayout::BYTES as usize])?;
+                        self.split_k = Some((h, addr));
                         addr
                     }
                 }),

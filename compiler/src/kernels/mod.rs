@@ -7,7 +7,7 @@ use kiln_runtime::plan::{BufId, KernelFamily, LaunchArg, WeightId};
 
 /// A pointer argument: a program buffer, a weight slot, one layer of the KV cache (GPU byte
 /// layout of `KvLayout`), the RoPE table (`KvLayout::rope_table_bytes`) or the rank's P2P
-/// collective region (`P2pLayout`).
+/// collective region (`P2pLayout`) or its split-K region (`SplitKLayout`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ptr {
     Buffer(BufId),
@@ -15,6 +15,7 @@ pub enum Ptr {
     KvCache(u32),
     RopeTable,
     P2pRegion,
+    SplitKRegion,
 }
 
 impl From<Ptr> for LaunchArg {
@@ -25,6 +26,7 @@ impl From<Ptr> for LaunchArg {
             Ptr::KvCache(layer) => LaunchArg::KvCache { layer },
             Ptr::RopeTable => LaunchArg::RopeTable,
             Ptr::P2pRegion => LaunchArg::P2pRegion,
+            Ptr::SplitKRegion => LaunchArg::SplitKRegion,
         }
     }
 }

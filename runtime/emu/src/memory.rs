@@ -291,8 +291,10 @@ impl GlobalMemory {
     }
 
     /// Atomic read-modify-write of a naturally aligned 4- or 8-byte value; returns the old value.
+    /// Counted as a load of the buffer (the launch counts it read and written).
     pub fn rmw(&self, addr: u64, size: u64, f: &dyn Fn(u64) -> u64) -> Result<u64, String> {
-        let (words, _, off) = self.locate(addr, size)?;
+        let (words, b, off) = self.locate(addr, size)?;
+        b.loaded.fetch_add(size, Ordering::Relaxed);
         let w = &words[off / 8];
         let sh = (off % 8) * 8;
         let m = mask(size);

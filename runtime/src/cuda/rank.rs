@@ -8,7 +8,7 @@ use super::hardware::{cu, gpu_error};
 use super::resources::{Context, DeviceBuffer, Event, Graph, Module, Pinned, Stream, WRITE_COMBINED};
 use crate::bind::{fill_slot_region, CheckpointFiles};
 use crate::error::RuntimeError;
-use crate::plan::{DType, KernelInfo, Launch, LaunchArg, Op, P2pLayout, Plan, Program};
+use crate::plan::{DType, KernelInfo, Launch, LaunchArg, Op, P2pLayout, Plan, Program, SplitKLayout};
 use cudarc::driver::{result, sys};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 use std::ffi::{c_void, CString};
@@ -33,6 +33,8 @@ pub struct RankDevice {
     rope: DeviceBuffer,
     /// The P2P collective region (zeroed), when the plan's collectives have P2P launches.
     p2p_region: Option<DeviceBuffer>,
+    /// The split-K region (zeroed; plans with a cross-block split-K GEMM).
+    split_k: Option<DeviceBuffer>,
     /// Whether small collectives replay the P2P kernel (every pair passed the probe) or NCCL.
     p2p: bool,
     stream: Stream,
@@ -97,10 +99,11 @@ impl RankDevice {
         let inputs_stage = Pinned::new(input_bytes as usize, WRITE_COMBINED)?;
         let readback = Pinned::new(logit_bytes as usize, 0)?;
         let p2p_region = if plan_has_p2p(plan) { Some(DeviceBuffer::zeroed(P2pLayout { ranks: plan.ranks() as u64 }.bytes(), "P2P collective region")?) } else { None };
-        let allocated = arena.bytes + workspace.bytes + kv.bytes + rope.bytes + p2p_region.as_ref().map_or(0, |r| r.bytes);
+        let split_k = if plan.uses_split_k() { Some(DeviceBuffer::zeroed(SplitKLayout::BYTES, "split-K region")?) } else { None };
+        let allocated = arena.bytes + workspace.bytes + kv.bytes + rope.bytes + p2p_region.as_ref().map_or(0, |r| r.bytes) + split_k.as_ref().map_or(0, |r| r.bytes);
         let (free_after, _) = ctx.memory()?;
         let opened = Opened { allocated, free_after, context: ctx.ctx as u64, p2p_region: p2p_region.as_ref().map(|r| r.ptr) };
-        let dev = RankDevice { rank, graphs: Vec::new(), comm: None, functions: Vec::new(), modules: Vec::new(), inputs_stage, readback, arena, workspace, kv, rope, p2p_region, p2p: false, stream, ctx };
+        let dev = RankDevice { rank, graphs: Vec::new(), comm: None, functions: Vec::new(), modules: Vec::new(), inputs_stage, readback, arena, workspace, kv, rope, p2p_region, split_k, p2p: false, stream, ctx };
         Ok((dev, opened))
     }
 
@@ -284,6 +287,7 @@ impl RankDevice {
             }
             LaunchArg::RopeTable => self.rope.ptr,
             LaunchArg::P2pRegion => self.p2p_region.as_ref().ok_or_else(|| RuntimeError::internal(format!("{}: a P2P launch on a rank without a region", p.name)))?.ptr,
+            LaunchArg::SplitKRegion => self.split_k.as_ref().ok_or_else(|| RuntimeError::internal(format!("{}: a split-K launch on a rank without the region", p.name)))?.ptr,
             LaunchArg::U32(v) => v as u64,
             LaunchArg::F32(v) => v.to_bits() as u64,
             LaunchArg::PerRank(v) => LaunchArg::per_rank(v, self.rank).ok_or_else(|| RuntimeError::internal(format!("rank {} x {v} overflows a u32", self.rank)))? as u64,

@@ -185,14 +185,22 @@ pub fn launch_cost(plan: &Plan, step: &Step, li: usize, load: &Load) -> Result<C
             c.flops.fp32 += 2.0 * m * n * kk;
         }
         "linear_bf16_gemm" => {
-            // weights once per row block (grid.y), activations once per column block (grid.x);
-            // the tensor cores run the padded tiles
+            // weights once per row block (grid.y), activations once per column block (grid.x),
+            // each K slice (grid.z) its share; the tensor cores run the padded tiles. K over
+            // KS > 1 blocks: every slice's f32 partials written once and read once (by the
+            // tile's last block), and one counter atomic per block (4 B read, 4 B written)
             let (m, n, kk) = (p.v("M")?, p.v("N")?, p.v("K")?);
             let xs = p.size("X_BF16")?;
             let (gx, gy) = (l.grid[0] as f64, l.grid[1] as f64);
             c.read(Class::Weights, n * kk * 2.0, gy);
             c.read(Class::Activations, m * kk * xs, gx);
             c.write(m * n * p.size("OUT_BF16")?);
+            let ks = p.v("KS")?;
+            if ks > 1.0 {
+                c.read(Class::Activations, ks * m * n * 4.0, 1.0);
+                c.read(Class::Activations, 4.0, grid);
+                c.write(ks * m * n * 4.0 + 4.0 * grid);
+            }
             let planes = if xs == 2.0 { 1.0 } else { 3.0 };
             let (mt, nt) = (p.v("MT")?, p.v("NT")?);
             let (bm, bn, kstep) = if p.v("SPLIT")? == 1.0 { (16.0 * mt, 8.0 * nt, 16.0) } else { (32.0 * mt, 128.0, 16.0 * p.v("KB")?) };
@@ -207,6 +215,14 @@ pub fn launch_cost(plan: &Plan, step: &Step, li: usize, load: &Load) -> Result<C
             c.read(Class::Weights, rows * (silu + 1.0) * kk * 9.0 / 16.0, gy);
             c.read(Class::Activations, m * kk * p.size("X_BF16")?, gx);
             c.write(m * rows * p.size("OUT_BF16")?);
+            // K over SLICES > 1 blocks: as the BF16 GEMM's, f32 sums of gate and up with SiLU
+            let slices = p.v("SLICES")?;
+            if slices > 1.0 {
+                let sums = slices * m * rows * (silu + 1.0) * 4.0;
+                c.read(Class::Activations, sums, 1.0);
+                c.read(Class::Activations, 4.0, grid);
+                c.write(sums + 4.0 * grid);
+            }
             let (mt, nt) = (p.v("MT")?, p.v("NT")?);
             let (bm, bn, kstep) = if p.v("SPLIT")? == 1.0 { (16.0 * mt, 8.0 * nt, 64.0) } else { (64.0, 128.0, 64.0 * p.v("KS")?) };
             let f = 2.0 * bm * gy * bn * gx * ceil_div(kk, kstep) * kstep;
@@ -283,9 +299,15 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
         c.blocks = staging.max(1.0);
     }
     let pages = load.tokens.sum(|n| if n > topk { (n / page).ceil() } else { 0.0 });
-    // q: each element loads its (even, odd) pair; the rope elements their (cos, sin)
-    c.read(Class::Activations, staging * heads * dim * p.size("Q_BF16")?, 2.0);
-    c.read(Class::Aux, staging * rope * 4.0, 2.0 * heads);
+    // q: a thread per (even, odd) pair, each loaded once; the table's (cos, sin) once per rope
+    // pair of every head, or, when THREADS is a multiple of DIM / 2 (every pair a thread takes
+    // has the same dims), once per thread whose dims are rotated
+    c.read(Class::Activations, staging * heads * dim * p.size("Q_BF16")?, 1.0);
+    if threads % (dim / 2.0) == 0.0 {
+        c.read(Class::Aux, staging * (threads / (dim / 2.0)) * (rope / 2.0) * 8.0, 1.0);
+    } else {
+        c.read(Class::Aux, staging * rope * 4.0, heads);
+    }
     c.read(Class::Activations, staging * heads * p.size("W_BF16")?, 1.0);
     // per position: its page-table entry and its key
     c.read(Class::Aux, pages * 4.0, if pages > 0.0 { positions / pages } else { 0.0 });
@@ -331,8 +353,9 @@ fn mla_attention(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<()
     }
     c.read(Class::Aux, selected * 4.0, groups);
     // every head group loads each selected row; MMA: the scores load latent | rope for the
-    // tensor cores, the context the latent again
-    let row = if mma { 2.0 * latent + rope } else { latent + rope };
+    // tensor cores, the context the latent again (unless STAGE kept the tile's rows in shared
+    // memory)
+    let row = if mma && p.v("STAGE")? == 0.0 { 2.0 * latent + rope } else { latent + rope };
     c.read(Class::Kv, selected * (latent + rope) * 2.0, groups * row / (latent + rope));
     let per_block = if split { 0.0 } else { 2.0 * hg * latent * (nope + v) };
     c.flops.fp32 += active * groups * per_block + 2.0 * selected * heads * latent;
@@ -421,8 +444,8 @@ fn moe_gate_up(p: &Params, load: &Load, c: &mut Cost) -> Result<(), String> {
 }
 
 /// Down + combine: every block owns COLS hidden columns of every token and walks every local
-/// expert that got a token (scanning the routing again for each), reading that expert's down rows
-/// of its columns once per group.
+/// expert that got a token (scanning the routing again for each: in global memory, or with STAGE
+/// in the block's shared copy), reading that expert's down rows of its columns once per group.
 fn moe_down(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), String> {
     let (tokens, topk, inter, hidden) = (p.v("TOKENS")?, p.v("TOPK")?, p.v("INTER")?, p.v("HIDDEN")?);
     let (g, cols, lanes, mma) = (p.v("G")?, p.v("COLS")?, p.v("LANES")?, p.v("MMA")? == 1.0);
@@ -432,12 +455,16 @@ fn moe_down(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), Str
     let used = e.sum(|n| if n > 0.0 { 1.0 } else { 0.0 });
     let pairs = e.sum(|n| n);
     let groups = e.sum(|n| (n / g).ceil());
-    // zero acc, mark the used experts, then per used expert: scalars, a scan, the groups
+    // zero acc, mark the used experts, then per used expert: scalars, a scan, the groups (with
+    // STAGE the scans and groups read the routing from the copy in shared memory the marking made)
+    let staged = p.v("STAGE")? == 1.0;
+    let scans = if staged { 0.0 } else { used };
+    let group_ids = if staged { 0.0 } else { topk * 4.0 };
     c.write(tokens * hidden * 4.0);
-    c.read(Class::Aux, tokens * 4.0, blocks * (1.0 + used));
-    c.read(Class::Activations, active * topk * 4.0, blocks * (1.0 + used));
+    c.read(Class::Aux, tokens * 4.0, blocks * (1.0 + scans));
+    c.read(Class::Activations, active * topk * 4.0, blocks * (1.0 + scans));
     c.read(Class::Weights, 8.0 * used, blocks);
-    c.read(Class::Activations, pairs * (topk * 4.0 + p.size("W_BF16")?), blocks);
+    c.read(Class::Activations, pairs * (group_ids + p.size("W_BF16")?), blocks);
     c.read(Class::Activations, pairs * inter * 2.0, blocks);
     let row = if mma { inter / 2.0 + inter / 4.0 } else { inter * 9.0 / 16.0 };
     let loaded: f64 = (0..blocks as usize).map(|t| tile_rows((hidden - t as f64 * cols).min(cols), cols, lanes, mma)).sum();

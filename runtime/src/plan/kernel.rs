@@ -74,6 +74,8 @@ pub enum LaunchArg {
     RopeTable,
     /// Device address of the rank's one-shot P2P collective region (see [`super::P2pLayout`]).
     P2pRegion,
+    /// Device address of the rank's split-K region (see [`super::SplitKLayout`]).
+    SplitKRegion,
 }
 
 impl LaunchArg {

@@ -74,6 +74,25 @@ impl MemoryPlan {
     }
 }
 
+/// The per-rank split-K region of the BF16 GEMM's cross-block form (`linear_bf16_gemm.ptx`,
+/// KS > 1): a u32 arrival counter per output tile ([`SplitKLayout::COUNTERS`] of them, zero
+/// between launches: the last block's `atom.inc` wraps its tile's back to zero), then the f32
+/// partial sums of one launch (`KS x M x N`). Launches replay one at a time, so every launch
+/// uses the same region. The runtime allocates it zeroed on every GPU that runs such a launch;
+/// like the P2P region it comes out of the memory plan's headroom.
+pub struct SplitKLayout;
+
+impl SplitKLayout {
+    /// Tile counters (the most output tiles of one split-K launch).
+    pub const COUNTERS: u64 = 4096;
+    /// Byte offset of the partial sums.
+    pub const PARTIALS: u64 = 4 * Self::COUNTERS;
+    /// Bytes of the region.
+    pub const BYTES: u64 = 4 << 20;
+    /// Bytes of partial sums one launch may use.
+    pub const PARTIAL_BYTES: u64 = Self::BYTES - Self::PARTIALS;
+}
+
 /// Largest all-reduce the one-shot P2P kernel takes; larger ones stay on NCCL.
 pub const P2P_MAX_BYTES: u64 = 64 << 10;
 

@@ -17,7 +17,7 @@ pub use dtype::DType;
 pub use files::{check_artifact_files, read_artifact, sha256_hex, FILES_KEY};
 pub use io::{decode_plan, read_plan, write_plan, PlanError, PLAN_FILE, RECOMPILE};
 pub use kernel::{PtxArch, KernelId, KernelInfo, Launch, LaunchArg, Resources};
-pub use memory::{KvLayout, MemoryPlan, P2pLayout, P2P_MAX_BYTES};
+pub use memory::{KvLayout, MemoryPlan, P2pLayout, SplitKLayout, P2P_MAX_BYTES};
 pub use op::{AttentionForm, Epilogue, GatherPair, LinearPart, LinearWeights, Op, RouterParams};
 pub use program::{attention_splits_cap, BufId, Buffer, Dim, KernelFamily, Program, ProgramInputs, ProgramKind, Step};
 pub use target::{Arch, Target};
@@ -29,7 +29,7 @@ pub use weights::{
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever the serialized layout of [`Plan`] changes; the runtime refuses other versions.
-pub const FORMAT_VERSION: u32 = 10;
+pub const FORMAT_VERSION: u32 = 11;
 
 /// A compiled model for one target: the unit the runtime loads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -61,6 +61,11 @@ pub struct Plan {
 impl Plan {
     pub fn ranks(&self) -> usize {
         self.parallel.tp
+    }
+
+    /// Whether a launch takes the split-K region ([`SplitKLayout`]), so every rank needs one.
+    pub fn uses_split_k(&self) -> bool {
+        self.programs.iter().flat_map(|p| &p.steps).flat_map(|s| &s.launches).any(|l| l.args.contains(&LaunchArg::SplitKRegion))
     }
 
     pub fn kernel(&self, id: KernelId) -> &KernelInfo {

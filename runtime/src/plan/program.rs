@@ -25,9 +25,10 @@ pub enum Dim {
 }
 
 /// Most KV splits decode attention may use at `tokens` tokens: enough that tokens x splits
-/// blocks fill 256 SMs twice, at most 64 (the scratch of the partial states grows with it).
+/// blocks fill 256 SMs twice, at most 128 (the scratch of the partial states grows with it; the
+/// combine holds 4 splits' states per lane).
 pub fn attention_splits_cap(tokens: usize) -> usize {
-    512usize.div_ceil(tokens.max(1)).min(64)
+    512usize.div_ceil(tokens.max(1)).min(128)
 }
 
 /// One activation or input buffer of a program, at a fixed offset in the rank's workspace.

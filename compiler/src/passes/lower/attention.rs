@@ -139,8 +139,8 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let (q_bf16, out_bf16) = (float_flag(p.buffer(q).dtype, "q")?, float_flag(p.buffer(out).dtype, "the output")?);
     // split-KV decode where the op has the scratch and the geometry fits mla_split
     let split_cap = if p.buffer(partials).shape.len() == 3 { p.buffer(partials).shape[1] } else { 0 };
-    // (the combine launch holds 64 splits' states in a warp: attention_splits_cap stays <= 64)
-    let split = (1..=64).contains(&split_cap)
+    // (the combine launch holds 128 splits' states in a warp: attention_splits_cap stays <= 128)
+    let split = (1..=128).contains(&split_cap)
         && k > 0
         && nope % 8 == 0
         && nope <= 256
@@ -156,6 +156,9 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         let (mma, qbs) = mma_layout(hg, latent, rope, kv.row_elems(), out_bf16 == 1);
         // The q_abs partial sums and (MMA) the split q and p tiles share one scratch region.
         let xs = (qs * hg * nl * 512).max(mma as usize * (3 * hg * qbs as usize + threads as usize / 32 * 576));
+        // the tensor-core path keeps each warp's 16-row tile for the context where the q_abs |
+        // ctx region (free during the tiles) holds a tile per warp
+        let stage = mma == 1 && (threads as usize / 32) * 16 * latent * 2 <= hg * nl * 1024;
         MlaAttentionParams {
             arch: cx.arch,
             heads: heads as u32,
@@ -182,6 +185,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             mode,
             splits: splits as u32,
             split: per as u32,
+            stage: stage as u32,
         }
     };
     // The preferred head group (split: all heads that fit, the splits fill the GPU), or smaller

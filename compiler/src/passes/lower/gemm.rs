@@ -13,7 +13,7 @@
 use super::{candidate_us, fits, float_flag, numel, of_grid, Cx, Instance, THREADS};
 use crate::kernels::{LinearBf16GemmArgs, LinearBf16GemmParams, LinearNvfp4GemmArgs, LinearNvfp4GemmParams, Ptr};
 use kiln_runtime::perf::Constants;
-use kiln_runtime::plan::{LinearWeights, Op};
+use kiln_runtime::plan::{LinearWeights, Op, SplitKLayout};
 
 /// Activation rows per block of both tiled GEMMs.
 pub const GEMM_BM: usize = 64;
@@ -51,38 +51,60 @@ fn nvfp4_stages(arch: u32, k: usize, silu: bool) -> (u32, u32) {
     (1, nbuf as u32)
 }
 
-/// The shape of a BF16 GEMM's blocks: split-K (`split` 1: 16*MT rows x 8*NT weight rows) or
-/// tiled (32*MT rows x 128).
+/// The shape of a BF16 GEMM's blocks: split-K (`split` 1: 16*MT rows x 8*NT weight rows, K
+/// over `ks` blocks) or tiled (32*MT rows x 128).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Bf16Form {
     pub split: u32,
     pub mt: u32,
     pub nt: u32,
+    /// Split form: blocks that share out K (grid.z; > 1 adds the partials through the split-K
+    /// region, `SplitKLayout`).
+    pub ks: u32,
 }
 
-/// The BF16 GEMM's form for M x N x K. Prefill (M > 64) is tiled: 128-row blocks with BF16
-/// activations past 64 rows, else 64. Up to 64 rows the split-K widths (32, 16, 8 weight rows
-/// per block) and the tiled form are costed with [`candidate_us`]: the weights read once per
-/// row block, the activations once per column block, over the SMs the blocks occupy; the
-/// cheapest wins (ties: the earlier). At decode batch 64 a 2,048-row projection becomes 128
-/// split blocks instead of 16 tiled ones.
-pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Constants) -> Bf16Form {
-    let tiled = Bf16Form { split: 0, mt: if x_bf16 && m > GEMM_BM { 4 } else { 2 }, nt: 1 };
-    if m > BF16_SPLIT_MAX_M {
-        return tiled;
-    }
+/// Cross-block K slices the split forms may take (see [`ks_allowed`]).
+const KS_CANDIDATES: [u32; 12] = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64];
+
+/// Whether a split form with `tiles` output tiles may share its `steps` K steps (k16 for BF16,
+/// k64 for NVFP4; the warps of a block take every 8th) over `ks` blocks: each slice keeps at
+/// least one step per warp and none is empty, the tiles fit the region's counters and the `sums`
+/// f32 partial sums of every slice its bytes.
+fn ks_allowed(ks: u32, tiles: usize, steps: usize, sums: usize) -> bool {
+    let per = steps.div_ceil(ks as usize);
+    ks == 1 || (per >= 8 && (ks as usize - 1) * per < steps && tiles as u64 <= SplitKLayout::COUNTERS && (ks as usize * sums * 4) as u64 <= SplitKLayout::PARTIAL_BYTES)
+}
+
+/// The BF16 GEMM's form for M x N x K and its predicted µs. Prefill (M > 64) is tiled: 128-row
+/// blocks with BF16 activations past 64 rows, else 64. Up to 64 rows the split-K widths (32, 16,
+/// 8 weight rows per block), each with K shared out over `ks` blocks, and the tiled form are
+/// costed with [`candidate_us`]: the weights read once per row block, the activations once per
+/// column block, the partial sums written and read once per slice, over the SMs the blocks
+/// occupy; the cheapest wins (ties: the earlier, so fewer slices). At decode batch 64 a
+/// 2,048-row projection becomes 128 split blocks instead of 16 tiled ones; a 32-row one at
+/// batch 1 shares its K over 48 blocks instead of one block per 8 rows.
+pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Constants) -> (Bf16Form, f64) {
+    let tiled = Bf16Form { split: 0, mt: if x_bf16 && m > GEMM_BM { 4 } else { 2 }, nt: 1, ks: 1 };
     let x_bytes = if x_bf16 { 2 } else { 4 };
     let cost = |f: &Bf16Form| {
         let (bm, bn) = if f.split == 1 { (16 * f.mt as usize, 8 * f.nt as usize) } else { (32 * f.mt as usize, GEMM_BN) };
         let (gx, gy) = (n.div_ceil(bn) as f64, m.div_ceil(bm) as f64);
-        candidate_us((n * k * 2) as f64 * gy, (m * k * x_bytes) as f64 * gx, 0.0, gx * gy, consts)
+        let partials = if f.ks > 1 { 2.0 * (f.ks as usize * m * n * 4) as f64 } else { 0.0 };
+        candidate_us((n * k * 2) as f64 * gy, (m * k * x_bytes) as f64 * gx + partials, 0.0, gx * gy * f.ks as f64, consts)
     };
+    if m > BF16_SPLIT_MAX_M {
+        return (tiled, cost(&tiled));
+    }
     // every split width with all rows in one block, then with 32 or 16 rows per block (a few
     // weight rows at batch 64: more row blocks fill SMs that one block of 64 rows leaves idle)
     let all_rows = m.div_ceil(16) as u32;
     let mts = [all_rows, 2, 1].into_iter().filter(|&mt| mt <= all_rows);
-    let candidates = mts.flat_map(|mt| [4, 2, 1].map(|nt| Bf16Form { split: 1, mt, nt }));
-    cheapest(candidates.chain([tiled]), cost).unwrap_or(tiled)
+    let candidates = mts.flat_map(|mt| [4, 2, 1].map(|nt| (mt, nt))).flat_map(|(mt, nt)| {
+        let tiles = n.div_ceil(8 * nt as usize) * m.div_ceil(16 * mt as usize);
+        KS_CANDIDATES.into_iter().filter(move |&ks| ks_allowed(ks, tiles, k.div_ceil(16), m * n)).map(move |ks| Bf16Form { split: 1, mt, nt, ks })
+    });
+    let best = cheapest(candidates.chain([tiled]), cost).unwrap_or(tiled);
+    (best, cost(&best))
 }
 
 /// The candidate of least `cost` (ties: the earlier).
@@ -94,28 +116,37 @@ fn cheapest<F>(candidates: impl Iterator<Item = F>, cost: impl Fn(&F) -> f64) ->
     .map(|(_, f)| f)
 }
 
-/// The NVFP4 GEMM's form for M x K over the widest part's `rows` (gate/up pairs with SiLU-mul):
-/// `(split, mt, nt)`, split-K blocks of 16*MT rows x 8*NT weight rows (4*NT pairs), or tiled 64
-/// x 128. Up to 64 rows the split widths, their 16- and 32-row blocks and the tiled form are
-/// costed with [`candidate_us`] as the BF16 form is (weights once per row block, activations
-/// once per column block); the cheapest wins (ties: the earlier). At batch 64 the shared
-/// expert's 256 gate/up pairs become 64 split blocks of 16 pairs x 32 rows instead of 4 tiled ones.
-pub fn nvfp4_gemm_form(m: usize, rows: usize, k: usize, silu: bool, x_bf16: bool, consts: &Constants) -> (u32, u32, u32) {
-    let tiled = (0, 1, 2);
-    if m > SPLIT_MAX_M {
-        return tiled;
-    }
+/// The NVFP4 GEMM's form for M x K over the widest part's `rows` (gate/up pairs with SiLU-mul)
+/// and its predicted µs: `(split, mt, nt, slices)`, split-K blocks of 16*MT rows x 8*NT weight
+/// rows (4*NT pairs) with K over `slices` blocks, or tiled 64 x 128. Up to 64 rows the split
+/// widths, their 16- and 32-row blocks, their K slices and the tiled form are costed with
+/// [`candidate_us`] as the BF16 form is (weights once per row block, activations once per column
+/// block, the partials written and read once per slice); the cheapest wins (ties: the earlier).
+/// At batch 64 the shared expert's 256 gate/up pairs become 64 split blocks of 16 pairs x 32 rows
+/// instead of 4 tiled ones.
+pub fn nvfp4_gemm_form(m: usize, rows: usize, k: usize, silu: bool, x_bf16: bool, consts: &Constants) -> ((u32, u32, u32, u32), f64) {
+    let tiled = (0, 1, 2, 1);
     let per_row = (if silu { 2 } else { 1 }) * k * 9 / 16;
     let x = m * k * if x_bf16 { 2 } else { 4 };
-    let cost = |&(split, mt, nt): &(u32, u32, u32)| {
+    // f32 sums per output: gate and up with SiLU
+    let sums = m * rows * if silu { 2 } else { 1 };
+    let cost = |&(split, mt, nt, slices): &(u32, u32, u32, u32)| {
         let (bm, bn) = if split == 1 { (16 * mt as usize, (if silu { 4 } else { 8 }) * nt as usize) } else { (GEMM_BM, if silu { GEMM_BN / 2 } else { GEMM_BN }) };
         let (gx, gy) = (rows.div_ceil(bn) as f64, m.div_ceil(bm) as f64);
-        candidate_us((rows * per_row) as f64 * gy, x as f64 * gx, 0.0, gx * gy, consts)
+        let partials = if slices > 1 { 2.0 * (slices as usize * sums * 4) as f64 } else { 0.0 };
+        candidate_us((rows * per_row) as f64 * gy, x as f64 * gx + partials, 0.0, gx * gy * slices as f64, consts)
     };
+    if m > SPLIT_MAX_M {
+        return (tiled, cost(&tiled));
+    }
     let all_rows = m.div_ceil(16).min(2) as u32;
     let mts = [all_rows, 1].into_iter().filter(|&mt| mt <= all_rows);
-    let candidates = mts.flat_map(|mt| [4, 2].map(|nt| (1, mt, nt)));
-    cheapest(candidates.chain([tiled]), cost).unwrap_or(tiled)
+    let candidates = mts.flat_map(|mt| [4, 2].map(|nt| (mt, nt))).flat_map(|(mt, nt)| {
+        let tiles = rows.div_ceil((if silu { 4 } else { 8 }) * nt as usize) * m.div_ceil(16 * mt as usize);
+        KS_CANDIDATES.into_iter().filter(move |&ks| ks_allowed(ks, tiles, k.div_ceil(64), sums)).map(move |ks| (1, mt, nt, ks))
+    });
+    let best = cheapest(candidates.chain([tiled]), cost).unwrap_or(tiled);
+    (best, cost(&best))
 }
 
 pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
@@ -144,22 +175,29 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             // Decode-sized M: split K over the warps of small blocks, enough of them to keep the
             // weights streaming. Else 128-row blocks halve the weight traffic of long prefills;
             // F32 activations (three BF16 planes) and short ones keep 64 rows.
-            let base = LinearBf16GemmParams { arch: cx.arch, m: u(m), n: u(n), k: u(k), split: 0, mt: 2, nt: 1, kb: BF16_KB, nbuf: 2, threads: THREADS, x_bf16, out_bf16 };
-            let form = bf16_gemm_form(m, n, k, x_bf16 == 1, &cx.consts);
+            let base = LinearBf16GemmParams { arch: cx.arch, m: u(m), n: u(n), k: u(k), split: 0, ks: 1, partials: 0, mt: 2, nt: 1, kb: BF16_KB, nbuf: 2, threads: THREADS, x_bf16, out_bf16 };
+            let (form, _) = bf16_gemm_form(m, n, k, x_bf16 == 1, &cx.consts);
+            let partials = if form.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
             let (params, bm, bn) = if form.split == 1 {
-                (LinearBf16GemmParams { split: 1, mt: form.mt, nt: form.nt, ..base }, 16 * form.mt as usize, 8 * form.nt as usize)
+                (LinearBf16GemmParams { split: 1, mt: form.mt, nt: form.nt, ks: form.ks, partials, ..base }, 16 * form.mt as usize, 8 * form.nt as usize)
             } else {
                 let mt = form.mt;
                 let stage = LinearBf16GemmParams { mt, nbuf: 1, ..base }.dynamic_smem()? as usize;
                 (LinearBf16GemmParams { mt, nbuf: ring(stage, cx.smem_limit), ..base }, 32 * mt as usize, GEMM_BN)
             };
             fits(params.dynamic_smem()? as usize, cx.smem_limit, "the BF16 GEMM")?;
-            let grid = [u(n.div_ceil(bn)), u(m.div_ceil(bm)), 1];
-            let args = LinearBf16GemmArgs { x: Ptr::Buffer(input), w: Ptr::Weight(weight), out: Ptr::Buffer(out) };
+            let grid = [u(n.div_ceil(bn)), u(m.div_ceil(bm)), params.ks];
+            // one K slice per block needs no region: the output stands in for the ignored argument
+            let splitk = if params.ks > 1 { Ptr::SplitKRegion } else { Ptr::Buffer(out) };
+            let args = LinearBf16GemmArgs { x: Ptr::Buffer(input), w: Ptr::Weight(weight), out: Ptr::Buffer(out), splitk };
             Ok(vec![of_grid(&params, grid, THREADS, args.launch_args())])
         }
         LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => {
             let silu = super::nvfp4_linear_shape(k, parts, epilogue, "GEMM")?;
+            // Decode-sized M: the split-K form, 16 or 32 rows by 8*NT weight rows per block, K
+            // maybe over several blocks, as the byte model prefers (nvfp4_gemm_form).
+            let widest = parts.iter().map(|q| q.rows).max().unwrap_or(0);
+            let ((split, mt, nt, slices), _) = nvfp4_gemm_form(m, widest, k, silu, x_bf16 == 1, &cx.consts);
             let args = LinearNvfp4GemmArgs {
                 x: Ptr::Buffer(input),
                 w: Ptr::Weight(weight),
@@ -167,6 +205,8 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
                 scale_2: Ptr::Weight(scale_2),
                 input_scale: Ptr::Weight(input_scale),
                 out: Ptr::Buffer(out),
+                // one K slice per block needs no region: the output stands in for the ignored argument
+                splitk: if slices > 1 { Ptr::SplitKRegion } else { Ptr::Buffer(out) },
             }
             .launch_args();
             let base = LinearNvfp4GemmParams {
@@ -183,25 +223,24 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
                 ks: nvfp4_stages(cx.arch, k, silu).0,
                 nbuf: nvfp4_stages(cx.arch, k, silu).1,
                 split: 0,
+                slices: 1,
+                partials: 0,
                 mt: 1,
                 nt: 2,
                 threads: THREADS,
                 x_bf16,
                 out_bf16,
             };
-            // Decode-sized M: the split-K form, 16 or 32 rows by 8*NT weight rows per block, as the
-            // byte model prefers (nvfp4_gemm_form).
-            let widest = parts.iter().map(|q| q.rows).max().unwrap_or(0);
-            let (split, mt, nt) = nvfp4_gemm_form(m, widest, k, silu, x_bf16 == 1, &cx.consts);
             let (base, bm, bn) = if split == 1 {
                 let per_block = if silu { 4 * nt as usize } else { 8 * nt as usize };
-                (LinearNvfp4GemmParams { split: 1, mt, nt, ks: 1, nbuf: 2, ..base }, 16 * mt as usize, per_block)
+                let partials = if slices > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
+                (LinearNvfp4GemmParams { split: 1, slices, partials, mt, nt, ks: 1, nbuf: 2, ..base }, 16 * mt as usize, per_block)
             } else {
                 (base, GEMM_BM, if silu { GEMM_BN / 2 } else { GEMM_BN })
             };
             let launch = |params: LinearNvfp4GemmParams| -> Result<Instance, String> {
                 fits(params.dynamic_smem()? as usize, cx.smem_limit, "the NVFP4 GEMM")?;
-                Ok(of_grid(&params, [u((params.rows as usize).div_ceil(bn)), u(m.div_ceil(bm)), 1], THREADS, args.clone()))
+                Ok(of_grid(&params, [u((params.rows as usize).div_ceil(bn)), u(m.div_ceil(bm)), params.slices], THREADS, args.clone()))
             };
             if silu {
                 let rows = u(parts[0].rows);
@@ -225,32 +264,46 @@ mod tests {
 
     #[test]
     fn bf16_decode_gemms_pick_the_form_the_byte_model_prefers() {
-        // GLM-5 tp8 q_a (2,048 x 6144) at decode batch 64 on 188 SMs: 16 tiled blocks draw
-        // 16/188 of the bandwidth for 37.8 MB, 444 MB-equivalents; split-K blocks of all 64 rows
-        // and 16 weight rows make 128 blocks for 125.8 MB at 0.68, 185; two row blocks of 32
-        // rows and 32 weight rows make 128 blocks for 100.7 MB, 148.
-        assert_eq!(bf16_gemm_form(64, 2048, 6144, true, &Constants::SM120A), Bf16Form { split: 1, mt: 2, nt: 4 });
+        let form = |m, n, k, x_bf16| bf16_gemm_form(m, n, k, x_bf16, &Constants::SM120A).0;
+        // A 2,048 x 6144 projection at decode batch 64 on 188 SMs: 16 tiled blocks draw 16/188
+        // of the bandwidth for 37.8 MB, 444 MB-equivalents; two row blocks of 32 rows and 32
+        // weight rows make 128 blocks for 100.7 MB, 148; one row block of 64 rows (weights
+        // once, 25.2 MB; x once per 32-row column block, 50.3 MB) with K over 3 blocks makes
+        // 192 blocks for 78.6 MB with the partials' 3.1 MB: 79.
+        assert_eq!(form(64, 2048, 6144, true), Bf16Form { split: 1, mt: 4, nt: 4, ks: 3 });
         // Prefill is always tiled, 128 rows per block with BF16 activations.
-        assert_eq!(bf16_gemm_form(2048, 2048, 6144, true, &Constants::SM120A), Bf16Form { split: 0, mt: 4, nt: 1 });
-        assert_eq!(bf16_gemm_form(2048, 2048, 6144, false, &Constants::SM120A), Bf16Form { split: 0, mt: 2, nt: 1 });
+        assert_eq!(form(2048, 2048, 6144, true), Bf16Form { split: 0, mt: 4, nt: 1, ks: 1 });
+        assert_eq!(form(2048, 2048, 6144, false), Bf16Form { split: 0, mt: 2, nt: 1, ks: 1 });
         // The lm_head slice (19,360 rows) at 32 tokens: the widest split blocks re-read the
         // activations 605 times; 128-wide tiles read them 152 times and still fill the GPU.
-        assert_eq!(bf16_gemm_form(32, 19_360, 6144, true, &Constants::SM120A), Bf16Form { split: 0, mt: 2, nt: 1 });
-        // The indexer's 32 head-weight rows at batch 64: one 64-row block per 8 weight rows is 4
-        // blocks (3.5 MB at 4/188: 109 µs); 16-row blocks make 16 (4.7 MB at 16/188: 36 µs).
-        assert_eq!(bf16_gemm_form(64, 32, 6144, true, &Constants::SM120A), Bf16Form { split: 1, mt: 1, nt: 1 });
+        assert_eq!(form(32, 19_360, 6144, true), Bf16Form { split: 0, mt: 2, nt: 1, ks: 1 });
+        // The indexer's 32 head-weight rows at batch 64: 16-row blocks of 8 weight rows were 16
+        // blocks (4.7 MB at 16/188: 36 µs); 32-row blocks of 16 weight rows with K over 48
+        // blocks make 192 (x 1.6 MB, weights 0.8 MB, partials 0.8 MB: 2.1 µs).
+        assert_eq!(form(64, 32, 6144, true), Bf16Form { split: 1, mt: 2, nt: 2, ks: 48 });
+        // ... and at batch 1: the GEMV's 32 blocks each staged all of x; K over 48 blocks of 8
+        // rows (8 k16 steps each, one per warp) fills 192 SMs with the weights read once.
+        assert_eq!(form(1, 32, 6144, true), Bf16Form { split: 1, mt: 1, nt: 1, ks: 48 });
+        // o_proj-sized (6,144 x 2048) at batch 64: 192 blocks already; slices only add partials.
+        assert_eq!(form(64, 6144, 2048, true), Bf16Form { split: 1, mt: 4, nt: 4, ks: 1 });
     }
 
     #[test]
     fn nvfp4_decode_gemms_pick_the_form_the_byte_model_prefers() {
+        let form = |m, rows, k, silu| nvfp4_gemm_form(m, rows, k, silu, true, &Constants::SM120A).0;
         // GLM-5 tp8 shared expert gate/up (256 pairs of K = 6144, 1.77 MB) at batch 64: 4 tiled
-        // blocks (4.9 MB at 4/188: 151 µs) against split blocks of 16 rows and 8 pairs (4 x 32
-        // blocks: the weights 4 times, the 0.79 MB of x 32 times, 32.3 MB at 128/188: 31 µs)
-        assert_eq!(nvfp4_gemm_form(64, 256, 6144, true, true, &Constants::SM120A), (1, 1, 2));
-        // batch 8: one row block
-        assert_eq!(nvfp4_gemm_form(8, 256, 6144, true, true, &Constants::SM120A).1, 1);
+        // blocks (4.9 MB at 4/188: 151 µs); split blocks of 16 rows and 8 pairs (4 x 32 blocks:
+        // the weights 4 times, the 0.79 MB of x 32 times, 32.3 MB at 128/188: 31 µs); blocks of
+        // 32 rows and 16 pairs with K over 6 (2 x 16 x 6 = 192 blocks: the weights twice, x 16
+        // times, 1.6 MB of partials: 17.4 MB at full bandwidth, 13 µs)
+        assert_eq!(form(64, 256, 6144, true), (1, 2, 4, 6));
+        // batch 1 and 8: one row block, K over 12 blocks of 8 k64 steps (16 x 12 = 192 blocks)
+        assert_eq!(form(1, 256, 6144, true), (1, 1, 4, 12));
+        assert_eq!(form(8, 256, 6144, true), (1, 1, 4, 12));
+        // the shared expert's down (K = 256: 4 k64 steps, too few to share out)
+        assert_eq!(form(64, 6144, 256, false), (1, 2, 4, 1));
         // prefill stays tiled
-        assert_eq!(nvfp4_gemm_form(128, 256, 6144, true, true, &Constants::SM120A), (0, 1, 2));
+        assert_eq!(form(128, 256, 6144, true), (0, 1, 2, 1));
     }
 
     #[test]

@@ -19,7 +19,7 @@ mod norm;
 mod router;
 
 pub use collective::{P2P_GATHER_PAIRS, P2P_SPINS};
-pub use gemm::{bf16_gemm_form, Bf16Form};
+pub use gemm::{bf16_gemm_form, nvfp4_gemm_form, Bf16Form};
 pub use indexer::SELECT_THREADS;
 pub use moe::{down_cols, gate_up_cols};
 
@@ -123,10 +123,7 @@ pub fn candidate_us(weights: f64, activations: f64, fp32_flops: f64, blocks: f64
 /// 32-column projection: 32 blocks, not 4); with 32 staged rows wider blocks re-read x less.
 /// Ties keep the wider block.
 pub fn gemv_tasks_per_block(tasks: usize, task_bytes: usize, block_bytes: usize, min_per_block: u32, k: &Constants) -> u32 {
-    let cost = |per_block: u32| {
-        let blocks = tasks.div_ceil(per_block as usize) as f64;
-        candidate_us(tasks as f64 * task_bytes as f64, blocks * block_bytes as f64, 0.0, blocks, k)
-    };
+    let cost = |per_block: u32| gemv_us(tasks, task_bytes, block_bytes, per_block, k);
     let mut best = TASKS_PER_BLOCK;
     let mut per_block = TASKS_PER_BLOCK;
     while per_block > min_per_block.max(1) {
@@ -136,6 +133,13 @@ pub fn gemv_tasks_per_block(tasks: usize, task_bytes: usize, block_bytes: usize,
         }
     }
     best
+}
+
+/// Predicted µs of a GEMV of `tasks` columns, `per_block` of them per block (see
+/// [`gemv_tasks_per_block`]).
+fn gemv_us(tasks: usize, task_bytes: usize, block_bytes: usize, per_block: u32, k: &Constants) -> f64 {
+    let blocks = tasks.div_ceil(per_block as usize) as f64;
+    candidate_us(tasks as f64 * task_bytes as f64, blocks * block_bytes as f64, 0.0, blocks, k)
 }
 
 /// The fewest columns per GEMV block: 1 (warps share a column) when the rows are few (a sum per
@@ -314,12 +318,64 @@ fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         Op::RmsNorm { .. } => norm::instances(cx, op),
         Op::MoeExperts { .. } => moe::instances(cx, op),
         Op::Router { .. } => router::instances(cx, op),
-        Op::Linear { .. } => match instance(cx, op) {
-            Ok(i) => Ok(vec![i]),
-            Err(gemv) => gemm::instances(cx, op).map_err(|gemm| format!("GEMV: {gemv}; GEMM: {gemm}")),
-        },
+        Op::Linear { .. } => {
+            if split_k_beats_gemv(cx, op) {
+                if let Ok(list) = gemm::instances(cx, op) {
+                    return Ok(list);
+                }
+            }
+            match instance(cx, op) {
+                Ok(i) => Ok(vec![i]),
+                Err(gemv) => gemm::instances(cx, op).map_err(|gemm| format!("GEMV: {gemv}; GEMM: {gemm}")),
+            }
+        }
         _ => instance(cx, op).map(|i| vec![i]),
     }
+}
+
+/// Whether a linear the GEMV could take goes to the GEMM's split form with K shared out over
+/// blocks instead, because the byte model predicts it faster: every GEMV block stages all of x,
+/// so a few-column projection over a long K (the indexer's 32 head weights over 6,144) reads x
+/// as often as its weights, or leaves SMs idle. The GEMV's cost is the one its column count was
+/// chosen by ([`gemv_tasks_per_block`]).
+fn split_k_beats_gemv(cx: &Cx, op: &Op) -> bool {
+    let Op::Linear { input, ref weights, ref parts, k, epilogue, .. } = *op else {
+        return false;
+    };
+    let p = cx.program;
+    let m = numel(p, input) / k.max(1);
+    let x_size = if p.buffer(input).dtype == DType::BF16 { 2 } else { 4 };
+    let staged = m * k * x_size;
+    let n: usize = parts.iter().map(|q| q.rows).sum();
+    if m == 0 || m > GEMV_MAX_M || k == 0 || n == 0 || staged > cx.smem_limit as usize {
+        return false;
+    }
+    let (gemv_us, split_us) = match *weights {
+        LinearWeights::Bf16 { .. } => {
+            let min_per_block = gemv_min_per_block(m, k / 8, staged + m * THREADS as usize / 8, cx.smem_limit);
+            let per_block = gemv_tasks_per_block(n, 2 * k, staged, min_per_block, &cx.consts);
+            let (form, us) = gemm::bf16_gemm_form(m, n, k, x_size == 2, &cx.consts);
+            (gemv_us(n, 2 * k, staged, per_block, &cx.consts), (form.ks > 1).then_some(us))
+        }
+        LinearWeights::Nvfp4 { .. } => {
+            let Ok(silu) = nvfp4_linear_shape(k, parts, epilogue, "GEMV") else { return false };
+            let gemv_smem = parts.len() * m * (k * 2 + k / 4) + 16;
+            if gemv_smem > cx.smem_limit as usize {
+                return false;
+            }
+            let tasks = if silu { parts[0].rows } else { n };
+            let task_bytes = (if silu { 2 } else { 1 }) * k * 9 / 16;
+            let sums = (silu as usize + 1) * m * THREADS as usize / 8;
+            let min_per_block = gemv_min_per_block(m, k / 16, gemv_smem + sums, cx.smem_limit);
+            let per_block = gemv_tasks_per_block(tasks, task_bytes, staged, min_per_block, &cx.consts);
+            let widest = parts.iter().map(|q| q.rows).max().unwrap_or(0);
+            let (form, us) = gemm::nvfp4_gemm_form(m, widest, k, silu, x_size == 2, &cx.consts);
+            // one launch per part without SiLU
+            let launches = if silu { 1.0 } else { parts.len() as f64 };
+            (gemv_us(tasks, task_bytes, staged, per_block, &cx.consts), (form.3 > 1).then_some(us * launches))
+        }
+    };
+    split_us.is_some_and(|us| us < gemv_us)
 }
 
 fn instance(cx: &Cx, op: &Op) -> Result<Instance, String> {

@@ -229,7 +229,11 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         out_bf16: float_flag(p.buffer(out).dtype, "the output")?,
         add: u32::from(shared.is_some()),
         add_bf16: shared.map_or(Ok(0), |s| float_flag(p.buffer(s).dtype, "the shared experts' output"))?,
+        stage: 1,
     };
+    // every used expert's scan reads the routing from shared memory where it fits (decode)
+    let staged = dn.dynamic_smem()? as usize + STATIC_SMEM <= cx.smem_limit as usize;
+    let dn = MoeDownParams { stage: staged as u32, ..dn };
     let dn_args = MoeDownArgs {
         mid: Ptr::Buffer(mid),
         ids: Ptr::Buffer(ids),
