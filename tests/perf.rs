@@ -503,6 +503,13 @@ fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
         // layer
         assert_eq!(d["collectives"], 158 + 2 * 78, "{d}");
         assert!(d["bytes_per_gpu"].as_f64().unwrap() >= d["compulsory_bytes_per_gpu"].as_f64().unwrap());
+        // the floor: below the step (no launch cost, no re-reads, every SM), at least the
+        // compulsory bytes at full bandwidth plus the collectives
+        let f = |k: &str| d[k].as_f64().unwrap();
+        let bytes_ms = f("compulsory_bytes_per_gpu") / (1.792e12 * 0.85) * 1e3;
+        assert!(f("floor_ms_p2p") < f("step_ms_p2p") && f("floor_ms") < step_ms, "{d}");
+        assert!(f("floor_ms_p2p") >= bytes_ms + f("collective_ms_p2p") - 1e-9 && f("floor_ms") >= bytes_ms + f("collective_ms") - 1e-9, "{d}");
+        assert!((f("floor_ms") - f("floor_ms_p2p") - (f("collective_ms") - f("collective_ms_p2p"))).abs() < 1e-9, "{d}");
     }
     let row = |b: u64, c: u64| decode.iter().find(|d| d["batch"] == b && d["context"] == c).unwrap_or_else(|| panic!("no decode row {b} @ {c}"));
     // a longer context reads more KV and takes longer; a larger batch more tokens per second

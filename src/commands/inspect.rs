@@ -201,20 +201,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
 /// The column heads of a decode or prefill table; `first` names the leading column.
 fn step_header(out: &mut String, first: &str) -> std::fmt::Result {
-    writeln!(out, "    {:>5} {:>7} {:>10} {:>9} {:>10} {:>9} {:>10} {:>10} {:>8} {:>5}", first, "context", "step ms", "tok/s", "p2p ms", "p2p tok/s", "bytes/GPU", "KV/GPU", "launches", "coll")
+    writeln!(out, "    {:>5} {:>7} {:>10} {:>9} {:>10} {:>9} {:>9} {:>10} {:>10} {:>8} {:>5}", first, "context", "step ms", "tok/s", "p2p ms", "p2p tok/s", "floor ms", "bytes/GPU", "KV/GPU", "launches", "coll")
 }
 
 /// One row of a decode or prefill table, tokens/s with `digits` decimals.
 fn step_row(out: &mut String, first: usize, s: &perf::StepPerf, digits: usize) -> std::fmt::Result {
     writeln!(
         out,
-        "    {:>5} {:>7} {:>10.2} {:>9.digits$} {:>10.2} {:>9.digits$} {:>10} {:>10} {:>8} {:>5}",
+        "    {:>5} {:>7} {:>10.2} {:>9.digits$} {:>10.2} {:>9.digits$} {:>9.2} {:>10} {:>10} {:>8} {:>5}",
         first,
         context(s.context),
         s.step_ms,
         s.tokens_per_s,
         s.step_ms_p2p,
         s.tokens_per_s_p2p,
+        s.floor_ms_p2p,
         gb(s.bytes_per_gpu),
         gb(s.kv_bytes_per_gpu),
         s.launches,

@@ -136,6 +136,14 @@ pub fn launch_time(c: &Cost, k: &Constants) -> Timing {
     Timing { us: memory_us.max(compute_us) + k.launch_us, memory_us, compute_us, occupancy, bound }
 }
 
+/// What a launch cannot beat: its distinct bytes at full bandwidth on every SM, or its FLOPs at
+/// full rate, without the launch cost.
+pub fn launch_floor_us(c: &Cost, k: &Constants) -> f64 {
+    let memory_us = c.compulsory.total() / k.bytes_per_us();
+    let compute_us = c.flops.fp4_mma / (k.fp4_pflops * 1e9) + c.flops.bf16_mma / (k.bf16_pflops * 1e9) + c.flops.fp32 / (k.fp32_tflops * 1e6);
+    memory_us.max(compute_us)
+}
+
 /// A collective's predicted time: (NCCL, one-shot P2P where its size allows). `bytes`: the
 /// all-reduced buffer, or the gathered result (each rank contributes `bytes / ranks`).
 pub fn collective_time(all_reduce: bool, bytes: f64, ranks: usize, k: &Constants) -> (f64, Option<f64>) {
@@ -184,6 +192,11 @@ impl ProgramPerf {
 
     pub fn step_us(&self, p2p: bool) -> f64 {
         self.kernel_us() + self.collective_us(p2p)
+    }
+
+    /// The step's floor: every launch's [`launch_floor_us`] plus the collectives.
+    pub fn floor_us(&self, p2p: bool, k: &Constants) -> f64 {
+        self.launches.iter().map(|l| launch_floor_us(&l.cost, k)).sum::<f64>() + self.collective_us(p2p)
     }
 
     pub fn bytes(&self) -> Bytes {
@@ -271,10 +284,15 @@ pub struct StepPerf {
     pub kv_bytes_per_gpu: f64,
     pub launches: usize,
     pub collectives: usize,
+    /// What this program's launches and collectives cannot beat (NCCL / P2P collectives): each
+    /// launch's distinct bytes at full bandwidth on every SM (or its FLOPs at full rate), no
+    /// launch cost.
+    pub floor_ms: f64,
+    pub floor_ms_p2p: f64,
 }
 
 impl StepPerf {
-    fn of(program: &Program, context: usize, tokens: usize, perf: &ProgramPerf) -> StepPerf {
+    fn of(program: &Program, context: usize, tokens: usize, perf: &ProgramPerf, k: &Constants) -> StepPerf {
         let (step, step_p2p) = (perf.step_us(false), perf.step_us(true));
         let bytes = perf.bytes();
         StepPerf {
@@ -293,6 +311,8 @@ impl StepPerf {
             kv_bytes_per_gpu: bytes.kv,
             launches: perf.launches.len(),
             collectives: perf.collectives.len(),
+            floor_ms: perf.floor_us(false, k) / 1e3,
+            floor_ms_p2p: perf.floor_us(true, k) / 1e3,
         }
     }
 }
@@ -367,6 +387,7 @@ fn notes(plan: &Plan) -> Vec<String> {
         "launch time = max(bytes / (DRAM x efficiency), sum of flops / rate per unit) / occupancy + launch; occupancy = min(1, working blocks / SMs)".into(),
         "bytes = every global load and store a kernel executes, counted per lane as the PTX emulator counts them (weights, activations, KV cache, inputs); L2 is not a cache for weights, nor for anything else: a re-read counts again".into(),
         "a step = sum of its launches and collectives (one CUDA graph per rank, nothing overlaps); all ranks run the same program".into(),
+        "floor = what the program cannot beat as compiled: each launch's distinct bytes at full bandwidth on every SM (or its flops at full rate), no launch cost, plus the collectives (the p2p kernel where the plan has it)".into(),
         format!(
             "collectives: NCCL for every all-reduce and all-gather (the gathered bytes); the p2p columns use the plan's one-shot P2P kernel where it has one (an all-reduce of up to 64 KiB, an all-gather of up to 64 KiB per rank; the runtime uses it where every GPU pair passes the peer probe), with (ranks - 1) = {} transfers of each rank's part",
             plan.ranks().saturating_sub(1)
@@ -397,13 +418,13 @@ pub fn report(plan: &Plan, k: &Constants, mut notes_extra: Vec<String>, batch: u
             ProgramKind::Decode { batch } => {
                 for &c in &contexts {
                     let perf = predict_program(plan, p, &Load::decode(p.tokens, batch, c, experts, ranks), k)?;
-                    decode.push(DecodeRow { batch, step: StepPerf::of(p, c, batch, &perf) });
+                    decode.push(DecodeRow { batch, step: StepPerf::of(p, c, batch, &perf, k) });
                 }
             }
             ProgramKind::Prefill { chunk } => {
                 let chunk = chunk.min(p.tokens);
                 let perf = predict_program(plan, p, &Load::prefill(p.tokens, chunk, 0, experts, ranks), k)?;
-                prefill.push(PrefillRow { chunk, prefix: 0, step: StepPerf::of(p, chunk, chunk, &perf) });
+                prefill.push(PrefillRow { chunk, prefix: 0, step: StepPerf::of(p, chunk, chunk, &perf, k) });
             }
         }
     }
@@ -412,7 +433,7 @@ pub fn report(plan: &Plan, k: &Constants, mut notes_extra: Vec<String>, batch: u
         let chunk = p.tokens;
         for &c in contexts.iter().filter(|&&c| c > chunk) {
             let perf = predict_program(plan, p, &Load::prefill(p.tokens, chunk, c - chunk, experts, ranks), k)?;
-            prefill.push(PrefillRow { chunk, prefix: c - chunk, step: StepPerf::of(p, c, chunk, &perf) });
+            prefill.push(PrefillRow { chunk, prefix: c - chunk, step: StepPerf::of(p, c, chunk, &perf, k) });
         }
     }
     let top = top(plan, k, batch, context.min(max_context), count)?;
