@@ -33,6 +33,9 @@ fn rank_order_sum(parts: &[Vec<f32>], bf16: bool) -> Vec<f32> {
 enum Round {
     /// An all-reduce in place.
     Reduce,
+    /// An all-reduce in place that then adds the sum into a residual (the same on every rank, as
+    /// the residual stream is): `residual = round(residual + sum)`.
+    ReduceAdd,
     /// An all-gather of rows of `width` values: every rank's row side by side in rank order; with
     /// `second` = (values, width), a second buffer gathered by the same kernel.
     Gather { width: usize, second: Option<(usize, usize)> },
@@ -56,7 +59,7 @@ fn rounds(ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
         .map(|kind| {
             let (n2, width2) = second(kind);
             let (gather, row) = match *kind {
-                Round::Reduce => (0, n * size),
+                Round::Reduce | Round::ReduceAdd => (0, n * size),
                 Round::Gather { width, .. } => (1, width * size),
             };
             let params = P2pCollectiveParams {
@@ -68,6 +71,7 @@ fn rounds(ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
                 row: row as u32,
                 row2: if n2 > 0 { (width2 * size) as u32 } else { row as u32 },
                 bf16: bf16 as u32,
+                add: matches!(kind, Round::ReduceAdd) as u32,
                 slot: P2P_MAX_BYTES as u32,
                 flags: layout.flags() as u32,
                 slots: layout.slots() as u32,
@@ -83,6 +87,7 @@ fn rounds(ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
     let bufs2: Vec<_> = mems.iter_mut().map(|m| m.alloc("buf2", n2_max * size)).collect();
     let outs: Vec<_> = mems.iter_mut().map(|m| m.alloc("out", ranks * n * size)).collect();
     let outs2: Vec<_> = mems.iter_mut().map(|m| m.alloc("out2", ranks * n2_max * size)).collect();
+    let residuals: Vec<_> = mems.iter_mut().map(|m| m.alloc("residual", n * size)).collect();
     let regions: Vec<_> = mems.iter_mut().map(|m| m.alloc("p2p region", layout.bytes() as usize)).collect();
     let table: Vec<u8> = (0..ranks).flat_map(|q| mems[q].addr(regions[q]).to_le_bytes()).collect();
     for (m, &reg) in mems.iter().zip(&regions) {
@@ -93,29 +98,42 @@ fn rounds(ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
     // writing the other slot and announcing the next epoch while a peer still reads this one.
     // Per round and rank: its values for buf, then for buf2.
     let inputs: Vec<Vec<(Vec<f32>, Vec<f32>)>> = kinds.iter().map(|k| (0..ranks).map(|_| (randn(&mut rng, n, 1.0, bf16), randn(&mut rng, second(k).0, 1.0, bf16))).collect()).collect();
+    // per round: the residual every rank holds (ReduceAdd)
+    let residual_in: Vec<Vec<f32>> = kinds.iter().map(|_| randn(&mut rng, n, 4.0, bf16)).collect();
     let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..ranks)
             .map(|r| {
                 let (mems, modules, bufs, bufs2, outs, outs2, regions, inputs) = (&mems, &modules, &bufs, &bufs2, &outs, &outs2, &regions, &inputs);
+                let (residuals, residual_in) = (&residuals, &residual_in);
                 s.spawn(move || {
                     let peers: Vec<&GlobalMemory> = (0..ranks).filter(|&q| q != r).map(|q| &mems[q]).collect();
                     let addr = |b| KernelArg::U64(mems[r].addr(b));
                     let mut results = Vec::new();
-                    for ((round, module), kind) in inputs.iter().zip(modules).zip(kinds) {
+                    for (((round, module), kind), res) in inputs.iter().zip(modules).zip(kinds).zip(residual_in) {
                         mems[r].write(bufs[r], 0, &bytes(&round[r].0, bf16));
                         mems[r].write(bufs2[r], 0, &bytes(&round[r].1, bf16));
+                        mems[r].write(residuals[r], 0, &bytes(res, bf16));
                         let two = second(kind).0 > 0;
                         let (buf2, out, out2) = match kind {
-                            Round::Reduce => (bufs[r], bufs[r], bufs[r]),
+                            Round::Reduce | Round::ReduceAdd => (bufs[r], bufs[r], bufs[r]),
                             Round::Gather { .. } if two => (bufs2[r], outs[r], outs2[r]),
                             Round::Gather { .. } => (bufs[r], outs[r], outs[r]),
                         };
-                        let args = [addr(bufs[r]), addr(buf2), addr(out), addr(out2), addr(regions[r]), KernelArg::U32(r as u32)];
+                        let residual = if matches!(kind, Round::ReduceAdd) { residuals[r] } else { bufs[r] };
+                        let args = [addr(bufs[r]), addr(buf2), addr(out), addr(out2), addr(residual), addr(regions[r]), KernelArg::U32(r as u32)];
                         launch_with_peers(module, P2pCollectiveParams::ENTRY, [1, 1, 1], [256, 1, 1], 0, &args, &mems[r], &peers).unwrap();
                         let mut got = floats(&mems[r].read(out), bf16);
                         if two {
                             got.truncate(ranks * n);
                             got.extend(floats(&mems[r].read(out2), bf16).into_iter().take(ranks * second(kind).0));
+                        }
+                        // ReduceAdd: the sum, then the residual it was added into; else the
+                        // residual is untouched
+                        let residual_now = floats(&mems[r].read(residuals[r]), bf16);
+                        if matches!(kind, Round::ReduceAdd) {
+                            got.extend(residual_now);
+                        } else {
+                            assert!(residual_now.iter().zip(res).all(|(a, b)| a.to_bits() == b.to_bits()), "rank {r}: a collective without ADD wrote the residual");
                         }
                         results.push(got);
                     }
@@ -129,6 +147,12 @@ fn rounds(ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
         let firsts: Vec<Vec<f32>> = parts.iter().map(|p| p.0.clone()).collect();
         let want = match *kind {
             Round::Reduce => rank_order_sum(&firsts, bf16),
+            Round::ReduceAdd => {
+                // the add launch's bits: the residual plus the rounded sum, rounded
+                let sum = rank_order_sum(&firsts, bf16);
+                let added: Vec<f32> = residual_in[round].iter().zip(&sum).map(|(&r, &v)| if bf16 { bf16_to_f32(f32_to_bf16(r + v)) } else { r + v }).collect();
+                sum.into_iter().chain(added).collect()
+            }
             Round::Gather { width, second } => {
                 let mut w = side_by_side(&firsts, width);
                 if let Some((_, width2)) = second {
@@ -170,6 +194,16 @@ fn sums_in_rank_order_on_every_rank_round_after_round() {
 }
 
 #[test]
+fn adds_the_sum_into_the_residual_as_the_add_launch_does() {
+    use Round::{Reduce, ReduceAdd};
+    // decode's all-reduces that took over the rmsnorm's residual add: one token of hidden 6144
+    // (BF16) on 8 and 2 ranks, between plain all-reduces and gathers on the same epochs; F32 on 3
+    rounds(8, 6144, true, &[ReduceAdd, Reduce, ReduceAdd, gather(256)], 13);
+    rounds(2, 4 * 6144, true, &[ReduceAdd; 3], 14);
+    rounds(3, 20, false, &[Reduce, ReduceAdd, ReduceAdd], 15);
+}
+
+#[test]
 fn gathers_every_rank_row_by_row_between_all_reduces() {
     use Round::Reduce;
     // GLM-5's sharded q_a at decode (2048 / 8 = 256 BF16 per rank and token): one token, then a
@@ -199,7 +233,7 @@ fn gathers_two_buffers_in_one_kernel() {
 /// never launches. Returns the launch's error and rank 1's region.
 fn rank_0_alone(spins: u32, peer_access: bool) -> (String, Vec<u8>) {
     let layout = P2pLayout { ranks: 2 };
-    let params = P2pCollectiveParams { arch: 120, ranks: 2, gather: 0, bytes: 64, part: 64, row: 64, row2: 64, bf16: 0, slot: P2P_MAX_BYTES as u32, flags: layout.flags() as u32, slots: layout.slots() as u32, threads: 64, spins };
+    let params = P2pCollectiveParams { arch: 120, ranks: 2, gather: 0, bytes: 64, part: 64, row: 64, row2: 64, bf16: 0, add: 0, slot: P2P_MAX_BYTES as u32, flags: layout.flags() as u32, slots: layout.slots() as u32, threads: 64, spins };
     let module = Module::parse(&params.render().unwrap(), "p2p_collective.ptx").unwrap();
     let mut mine = GlobalMemory::with_base(GLOBAL_BASE + (1 << 40));
     let mut other = GlobalMemory::with_base(GLOBAL_BASE + (2 << 40));
@@ -209,7 +243,7 @@ fn rank_0_alone(spins: u32, peer_access: bool) -> (String, Vec<u8>) {
     mine.write(reg, 0, &table);
     other.write(other_reg, 0, &table);
     let at = KernelArg::U64(mine.addr(b));
-    let args = [at.clone(), at.clone(), at.clone(), at, KernelArg::U64(mine.addr(reg)), KernelArg::U32(0)];
+    let args = [at.clone(), at.clone(), at.clone(), at.clone(), at, KernelArg::U64(mine.addr(reg)), KernelArg::U32(0)];
     let peers: &[&GlobalMemory] = if peer_access { &[&other] } else { &[] };
     let err = launch_with_peers(&module, P2pCollectiveParams::ENTRY, [1, 1, 1], [64, 1, 1], 0, &args, &mine, peers).unwrap_err().to_string();
     (err, other.read(other_reg))

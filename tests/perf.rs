@@ -271,7 +271,7 @@ fn the_model_counts_every_launchs_bytes_as_the_emulator_does() {
     assert!(failures.is_empty(), "{} of the model's byte counts differ from the emulator's", failures.len());
     // every template kiln has, in both decode and prefill forms (but `add`: the micro model's
     // norms take one block per row and its MoE adds the shared experts in MoE down's store, so
-    // the residual add before a column-block norm is checked at GLM-5's shapes below)
+    // the residual add, which an all-reduce launches after NCCL, is checked at GLM-5's shapes below)
     for t in ["embed", "rmsnorm", "linear_bf16_gemv", "linear_nvfp4_gemv", "linear_bf16_gemm", "linear_nvfp4_gemm", "mla_kv_write", "indexer_key_write", "indexer_topk", "mla_attention", "router", "moe_gate_up", "moe_down", "gather_rows"] {
         assert!(seen.contains_key(t), "no launch of {t} was checked: {seen:?}");
     }
@@ -405,7 +405,7 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
     type Pick = (&'static str, &'static str, fn(&Plan, &kiln_runtime::plan::Launch) -> bool, usize, u32);
     let picks: [Pick; 13] = [
         ("rmsnorm over column blocks", "decode_1", |pl, l| plan_template(pl, l) == "rmsnorm" && param(pl, l, "CB") > 1, 1, 300),
-        ("residual add, then the rmsnorm over column blocks", "decode_1", |pl, l| plan_template(pl, l) == "add", 1, 300),
+        ("the residual add an all-reduce launches after NCCL", "decode_8", |pl, l| plan_template(pl, l) == "add", 8, 300),
         ("split-K BF16 GEMM", "decode_32", |pl, l| plan_template(pl, l) == "linear_bf16_gemm" && param(pl, l, "SPLIT") == 1 && param(pl, l, "N") == 32, 32, 300),
         ("BF16 GEMM with K over blocks at batch 1", "decode_1", |pl, l| plan_template(pl, l) == "linear_bf16_gemm" && param(pl, l, "KS") > 1 && param(pl, l, "N") == 72, 1, 300),
         ("NVFP4 SiLU GEMM with K over blocks at batch 1", "decode_1", |pl, l| plan_template(pl, l) == "linear_nvfp4_gemm" && param(pl, l, "SLICES") > 1 && param(pl, l, "SILU") == 1, 1, 300),
@@ -496,20 +496,23 @@ fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
         // the 78 layers, decode attention became four (absorb, splits, combine, output), and
         // the 156 residual rmsnorms add the residual in a launch of its own before the norm
         // spreads over column blocks; and 75 fewer since MoE down's final store adds the shared
-        // experts' output
-        assert_eq!(d["launches"], 1552 + 75 + 78 + 3 * 78 + 156 - 75, "{d}");
+        // experts' output; and the 156 adds moved into the all-reduces before the norms (the
+        // P2P kernel adds; after NCCL the add is a launch of the collective step, costed with it)
+        assert_eq!(d["launches"], 1552 + 75 + 78 + 3 * 78 + 156 - 75 - 156, "{d}");
         // two all-reduces per layer, the embedding's and the logits' gather, and since the model
         // chose to split q_a with kv_a and the indexer's wq_b behind all-gathers, two gathers per
         // layer
         assert_eq!(d["collectives"], 158 + 2 * 78, "{d}");
         assert!(d["bytes_per_gpu"].as_f64().unwrap() >= d["compulsory_bytes_per_gpu"].as_f64().unwrap());
         // the floor: below the step (no launch cost, no re-reads, every SM), at least the
-        // compulsory bytes at full bandwidth plus the collectives
+        // compulsory bytes at full bandwidth plus each collective's latency (8 µs with the P2P
+        // kernel, 25 with NCCL)
         let f = |k: &str| d[k].as_f64().unwrap();
         let bytes_ms = f("compulsory_bytes_per_gpu") / (1.792e12 * 0.85) * 1e3;
+        let collectives = f("collectives");
         assert!(f("floor_ms_p2p") < f("step_ms_p2p") && f("floor_ms") < step_ms, "{d}");
-        assert!(f("floor_ms_p2p") >= bytes_ms + f("collective_ms_p2p") - 1e-9 && f("floor_ms") >= bytes_ms + f("collective_ms") - 1e-9, "{d}");
-        assert!((f("floor_ms") - f("floor_ms_p2p") - (f("collective_ms") - f("collective_ms_p2p"))).abs() < 1e-9, "{d}");
+        assert!(f("floor_ms_p2p") >= bytes_ms + collectives * 0.008 && f("floor_ms") >= bytes_ms + collectives * 0.025, "{d}");
+        assert!(f("floor_ms_p2p") <= f("floor_ms"), "{d}");
     }
     let row = |b: u64, c: u64| decode.iter().find(|d| d["batch"] == b && d["context"] == c).unwrap_or_else(|| panic!("no decode row {b} @ {c}"));
     // a longer context reads more KV and takes longer; a larger batch more tokens per second

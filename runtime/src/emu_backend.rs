@@ -69,7 +69,7 @@ impl EmuBackend {
         let kv = &plan.memory.kv;
         let rope = Rope::plan_table_bytes(&plan);
         let workspace = plan.memory.workspace.max(4) as usize;
-        let p2p = plan.ranks() > 1 && plan.programs.iter().flat_map(|p| &p.steps).any(|s| s.p2p_collective());
+        let p2p = plan.ranks() > 1 && plan.programs.iter().flat_map(|p| &p.steps).any(|s| s.p2p_collective(&plan));
         let layout = P2pLayout { ranks: plan.ranks() as u64 };
         let split_k = plan.uses_split_k();
         let mut devices: Vec<Device> = arenas
@@ -115,7 +115,7 @@ impl EmuBackend {
         for (s, step) in program.steps.iter().enumerate() {
             let at = |m: String| internal(format!("{} step {s} ({}): {m}", program.name, step.op.name()));
             match step.op {
-                _ if step.p2p_collective() && self.devices.len() > 1 => {
+                _ if step.p2p_collective(plan) && self.devices.len() > 1 => {
                     let l = &step.launches[0];
                     let kernel = plan.kernel(l.kernel);
                     let module = &self.modules[l.kernel.0 as usize];
@@ -138,8 +138,22 @@ impl EmuBackend {
                     });
                     results.into_iter().collect::<Result<Vec<()>, String>>().map_err(at)?;
                 }
-                Op::AllReduce { buf } => all_reduce(&mut self.devices, program, buf),
-                Op::AllGather { ref pairs } => pairs.iter().try_for_each(|g| all_gather(&mut self.devices, program, g.input, g.out)).map_err(at)?,
+                Op::AllReduce { .. } | Op::AllGather { .. } => {
+                    match step.op {
+                        Op::AllReduce { buf, .. } => all_reduce(&mut self.devices, program, buf),
+                        Op::AllGather { ref pairs } => pairs.iter().try_for_each(|g| all_gather(&mut self.devices, program, g.input, g.out)).map_err(at)?,
+                        _ => {}
+                    }
+                    // what the NCCL path runs after the collective (the residual add it took over)
+                    for d in &mut self.devices {
+                        for l in step.after_collective(plan) {
+                            let args = l.args.iter().map(|a| d.arg(plan, program, *a)).collect::<Result<Vec<_>, String>>().map_err(at)?;
+                            let kernel = plan.kernel(l.kernel);
+                            emu::launch(&self.modules[l.kernel.0 as usize], &kernel.entry, l.grid, l.block, l.smem_dynamic, &args, &mut d.mem)
+                                .map_err(|e| at(format!("{} on rank {}: {e}", kernel.name, d.rank)))?;
+                        }
+                    }
+                }
                 _ => {
                     for d in &mut self.devices {
                         for l in &step.launches {

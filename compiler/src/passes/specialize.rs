@@ -2,7 +2,7 @@
 //! every dimension fixed, so each program can be captured as one CUDA graph.
 
 use crate::graph::Graph;
-use kiln_runtime::plan::{attention_splits_cap, AttentionForm, BufId, Buffer, Dim, Op, Program, ProgramInputs, ProgramKind};
+use kiln_runtime::plan::{attention_splits_cap, AttentionForm, BufId, Buffer, Dim, Op, Program, ProgramInputs, ProgramKind, Step};
 
 /// The concrete sizes of one bucket.
 #[derive(Debug, Clone, Copy)]
@@ -31,6 +31,25 @@ pub fn buckets(prefill_chunks: &[usize], decode_batches: &[usize], vocab: usize,
     out
 }
 
+/// Decode: an all-reduce of the sub-layer output that the next rmsnorm adds into the residual
+/// takes over that add (`AllReduce { residual }`; the norm then normalises the residual), so
+/// that the one-shot P2P kernel does it in the same launch instead of an add launch of its own
+/// (with NCCL the add stays a launch, after the collective). Prefill keeps the add in its
+/// one-block-per-row norm, where it costs no launch.
+fn residual_adds_into_all_reduces(steps: &mut [Step]) {
+    for i in 1..steps.len() {
+        let (before, after) = steps.split_at_mut(i);
+        let (prev, step) = (&mut before[i - 1], &mut after[0]);
+        if let (Op::AllReduce { buf, residual: fused @ None }, Op::RmsNorm { input, residual: norm_residual @ Some(_), .. }) = (&mut prev.op, &mut step.op) {
+            if *input == *buf {
+                let r = norm_residual.take().expect("matched Some");
+                *fused = Some(r);
+                *input = r;
+            }
+        }
+    }
+}
+
 /// Instantiates the sharded graph for one bucket (buffer offsets are assigned by the memory pass).
 pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
     let size = |d: &Dim| match *d {
@@ -52,7 +71,7 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
         })
         .collect();
     let decode = matches!(bucket.kind, ProgramKind::Decode { .. });
-    let steps = graph
+    let mut steps: Vec<Step> = graph
         .steps
         .iter()
         .cloned()
@@ -64,6 +83,9 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
             s
         })
         .collect();
+    if decode {
+        residual_adds_into_all_reduces(&mut steps);
+    }
     let i = graph.inputs;
     let name = match bucket.kind {
         ProgramKind::Prefill { chunk } => format!("prefill_{chunk}"),

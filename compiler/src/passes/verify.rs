@@ -152,7 +152,11 @@ fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -
             expect("weights", shape(*weights), &[rows(*input), params.top_k])?;
         }
         Op::GatherRows { input, rows: r, out } => expect("out", shape(*out), &[shape(*r)[0], last(*input)])?,
-        Op::AllReduce { .. } => {}
+        Op::AllReduce { buf, residual } => {
+            if let Some(r) = residual {
+                expect("residual", shape(*r), shape(*buf))?;
+            }
+        }
     }
     Ok(())
 }

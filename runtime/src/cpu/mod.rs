@@ -392,7 +392,7 @@ impl CpuBackend {
                     o(&StepView { ranks, program: index, step: n, phase: StepPhase::Before, plan });
                 }
                 match step.op {
-                    Op::AllReduce { buf } => all_reduce(ranks, staging, &cx, buf).map_err(at)?,
+                    Op::AllReduce { buf, residual } => all_reduce(ranks, staging, &cx, buf, residual).map_err(at)?,
                     Op::AllGather { ref pairs } => pairs.iter().try_for_each(|g| all_gather(ranks, staging, &cx, g.input, g.out)).map_err(at)?,
                     ref op => {
                         for rank in ranks.iter_mut() {
@@ -517,7 +517,9 @@ fn decode_small(plan: &Plan, arena: &[u8]) -> Result<Vec<Vec<f32>>, RuntimeError
         .collect()
 }
 
-fn all_reduce(ranks: &mut [Rank], staging: &mut Vec<f32>, cx: &Cx, buf: BufId) -> Result<(), RuntimeError> {
+/// `buf` summed over the ranks in rank order (f32, then rounded to its dtype); with `residual`,
+/// then `residual = round(residual + buf)` on every rank: the rmsnorm's residual add, bit for bit.
+fn all_reduce(ranks: &mut [Rank], staging: &mut Vec<f32>, cx: &Cx, buf: BufId, residual: Option<BufId>) -> Result<(), RuntimeError> {
     let n = numel(cx.program, buf);
     let dtype = cx.program.buffer(buf).dtype;
     if dtype == DType::I32 {
@@ -532,6 +534,10 @@ fn all_reduce(ranks: &mut [Rank], staging: &mut Vec<f32>, cx: &Cx, buf: BufId) -
     acc.iter_mut().for_each(|v| *v = round.apply(*v));
     for rank in ranks.iter_mut() {
         rank.f[buf.0 as usize][..n].copy_from_slice(acc);
+        if let Some(r) = residual {
+            let rr = Round::for_dtype(cx.program.buffer(r).dtype, cx.opts.precision);
+            rank.f[r.0 as usize][..n].iter_mut().zip(acc.iter()).for_each(|(a, &b)| *a = rr.apply(*a + b));
+        }
     }
     Ok(())
 }

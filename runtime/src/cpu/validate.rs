@@ -206,7 +206,14 @@ fn check_op(plan: &Plan, p: &Program, op: &Op) -> Result<(), String> {
             }
             Ok(())
         }
-        Op::AllReduce { buf: b } => float(b, numel(p, b)),
+        Op::AllReduce { buf: b, residual } => {
+            float(b, numel(p, b))?;
+            match residual {
+                Some(r) if buf(r).dtype == buf(b).dtype => float(r, numel(p, b)),
+                Some(_) => Err("the residual's dtype differs from the summed buffer's".into()),
+                None => Ok(()),
+            }
+        }
         Op::AllGather { ref pairs } => {
             if pairs.is_empty() {
                 return Err("gathers nothing".into());

@@ -55,7 +55,7 @@ pub struct Opened {
 
 /// Whether any collective of the plan has a one-shot P2P launch.
 pub fn plan_has_p2p(plan: &Plan) -> bool {
-    plan.ranks() > 1 && plan.programs.iter().flat_map(|p| &p.steps).any(|s| s.p2p_collective())
+    plan.ranks() > 1 && plan.programs.iter().flat_map(|p| &p.steps).any(|s| s.p2p_collective(plan))
 }
 
 fn nccl_error(what: &str, e: nccl::NcclError) -> RuntimeError {
@@ -193,8 +193,8 @@ impl RankDevice {
     }
 
     /// Whether collective `step` replays the P2P kernel.
-    fn uses_p2p(&self, step: &crate::plan::Step) -> bool {
-        self.p2p && step.p2p_collective()
+    fn uses_p2p(&self, plan: &Plan, step: &crate::plan::Step) -> bool {
+        self.p2p && step.p2p_collective(plan)
     }
 
     /// Joins the communicator of all ranks (blocks until every rank has called it).
@@ -215,9 +215,9 @@ impl RankDevice {
         }
         let mut seen = std::collections::HashSet::new();
         for p in &plan.programs {
-            for step in p.steps.iter().filter(|s| !self.uses_p2p(s)) {
+            for step in p.steps.iter().filter(|s| !self.uses_p2p(plan, s)) {
                 let key: Vec<(u64, u64, u64)> = match step.op {
-                    Op::AllReduce { buf } => vec![(0, p.buffer(buf).bytes, p.buffer(buf).dtype.size() as u64)],
+                    Op::AllReduce { buf, .. } => vec![(0, p.buffer(buf).bytes, p.buffer(buf).dtype.size() as u64)],
                     Op::AllGather { ref pairs } => pairs.iter().map(|g| (1, p.buffer(g.input).bytes, p.buffer(g.out).bytes)).collect(),
                     _ => continue,
                 };
@@ -234,7 +234,7 @@ impl RankDevice {
         let stream = self.stream.0 as nccl_sys::cudaStream_t;
         let at = |b: crate::plan::BufId| self.workspace.ptr + p.buffer(b).offset;
         match *op {
-            Op::AllReduce { buf } => {
+            Op::AllReduce { buf, .. } => {
                 let b = p.buffer(buf);
                 let count = b.shape.iter().product::<usize>();
                 let ptr = at(buf) as *mut c_void;
@@ -347,8 +347,12 @@ impl RankDevice {
     fn record(&self, plan: &Plan, p: &Program) -> Result<(), RuntimeError> {
         for step in &p.steps {
             match step.op {
-                _ if self.uses_p2p(step) => step.launches.iter().try_for_each(|l| self.launch(plan, p, l))?,
-                Op::AllReduce { .. } | Op::AllGather { .. } => self.collective(plan, p, &step.op)?,
+                // the P2P kernel alone (the launches after it are the NCCL path's)
+                _ if self.uses_p2p(plan, step) => self.launch(plan, p, &step.launches[0])?,
+                Op::AllReduce { .. } | Op::AllGather { .. } => {
+                    self.collective(plan, p, &step.op)?;
+                    step.after_collective(plan).iter().try_for_each(|l| self.launch(plan, p, l))?
+                }
                 _ => step.launches.iter().try_for_each(|l| self.launch(plan, p, l))?,
             }
         }

@@ -169,7 +169,11 @@ pub struct CollectivePerf {
     pub step: usize,
     pub all_reduce: bool,
     pub bytes: u64,
+    /// NCCL's time, with the launches its path runs after the collective.
     pub nccl_us: f64,
+    /// The floor ([`launch_floor_us`]) of those launches (they are part of `nccl_us`).
+    pub after_floor_us: f64,
+    pub after_us: f64,
     /// The one-shot P2P kernel's time, where the plan has it.
     pub p2p_us: Option<f64>,
 }
@@ -194,9 +198,11 @@ impl ProgramPerf {
         self.kernel_us() + self.collective_us(p2p)
     }
 
-    /// The step's floor: every launch's [`launch_floor_us`] plus the collectives.
+    /// The step's floor: every launch's [`launch_floor_us`] plus the collectives (with the floor
+    /// of the launches an NCCL collective's path runs after it).
     pub fn floor_us(&self, p2p: bool, k: &Constants) -> f64 {
-        self.launches.iter().map(|l| launch_floor_us(&l.cost, k)).sum::<f64>() + self.collective_us(p2p)
+        let collectives: f64 = self.collectives.iter().map(|c| if p2p && c.p2p_us.is_some() { c.p2p_us.unwrap_or(0.0) } else { c.nccl_us - c.after_us + c.after_floor_us }).sum();
+        self.launches.iter().map(|l| launch_floor_us(&l.cost, k)).sum::<f64>() + collectives
     }
 
     pub fn bytes(&self) -> Bytes {
@@ -222,20 +228,25 @@ pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constant
     let mut collectives = Vec::new();
     for (s, step) in program.steps.iter().enumerate() {
         match step.op {
-            Op::AllReduce { buf } => {
+            Op::AllReduce { buf, residual } => {
                 let bytes = program.buffer(buf).bytes;
                 let (nccl_us, p2p_us) = collective_time(true, bytes as f64, plan.ranks(), k);
-                // the P2P time where the plan has the kernel (its launch is costed as the collective)
-                let p2p_us = p2p_us.filter(|_| !step.launches.is_empty());
-                collectives.push(CollectivePerf { step: s, all_reduce: true, bytes, nccl_us, p2p_us });
+                // the P2P time where the plan has the kernel (its launch is costed as the
+                // collective; the residual add it took over reads and writes the residual, at
+                // its per-peer rate); NCCL's, plus the launches that follow it (that add)
+                let add_us = if residual.is_some() { 2.0 * bytes as f64 / (k.p2p_gbps * 1e3) } else { 0.0 };
+                let p2p_us = p2p_us.filter(|_| step.p2p_collective(plan)).map(|t| t + add_us);
+                let (after_us, after_floor_us) = after_collective_us(plan, step, load, k).map_err(|e| format!("{} step {s} ({}): {e}", program.name, step.op.name()))?;
+                collectives.push(CollectivePerf { step: s, all_reduce: true, bytes, nccl_us: nccl_us + after_us, after_us, after_floor_us, p2p_us });
                 continue;
             }
             Op::AllGather { ref pairs } => {
                 // the pairs of one gather share its latency
                 let bytes = pairs.iter().map(|g| program.buffer(g.out).bytes).sum::<u64>();
                 let (nccl_us, p2p_us) = collective_time(false, bytes as f64, plan.ranks(), k);
-                let p2p_us = p2p_us.filter(|_| !step.launches.is_empty());
-                collectives.push(CollectivePerf { step: s, all_reduce: false, bytes, nccl_us, p2p_us });
+                let p2p_us = p2p_us.filter(|_| step.p2p_collective(plan));
+                let (after_us, after_floor_us) = after_collective_us(plan, step, load, k).map_err(|e| format!("{} step {s} ({}): {e}", program.name, step.op.name()))?;
+                collectives.push(CollectivePerf { step: s, all_reduce: false, bytes, nccl_us: nccl_us + after_us, after_us, after_floor_us, p2p_us });
                 continue;
             }
             _ => {}
@@ -246,6 +257,14 @@ pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constant
         }
     }
     Ok(ProgramPerf { launches, collectives })
+}
+
+/// The time and the floor of the launches a collective's NCCL path runs after NCCL
+/// (`Step::after_collective`).
+fn after_collective_us(plan: &Plan, step: &crate::plan::Step, load: &Load, k: &Constants) -> Result<(f64, f64), String> {
+    let first = step.launches.len() - step.after_collective(plan).len();
+    let costs = (first..step.launches.len()).map(|li| launch_cost(plan, step, li, load)).collect::<Result<Vec<_>, _>>()?;
+    Ok((costs.iter().map(|c| launch_time(c, k).us).sum(), costs.iter().map(|c| launch_floor_us(c, k)).sum()))
 }
 
 /// The uniform routing of `tokens` tokens over this plan's local experts.
@@ -389,7 +408,7 @@ fn notes(plan: &Plan) -> Vec<String> {
         "a step = sum of its launches and collectives (one CUDA graph per rank, nothing overlaps); all ranks run the same program".into(),
         "floor = what the program cannot beat as compiled: each launch's distinct bytes at full bandwidth on every SM (or its flops at full rate), no launch cost, plus the collectives (the p2p kernel where the plan has it)".into(),
         format!(
-            "collectives: NCCL for every all-reduce and all-gather (the gathered bytes); the p2p columns use the plan's one-shot P2P kernel where it has one (an all-reduce of up to 64 KiB, an all-gather of up to 64 KiB per rank; the runtime uses it where every GPU pair passes the peer probe), with (ranks - 1) = {} transfers of each rank's part",
+            "collectives: NCCL for every all-reduce and all-gather (the gathered bytes); the p2p columns use the plan's one-shot P2P kernel where it has one (an all-reduce of up to 64 KiB, an all-gather of up to 64 KiB per rank; the runtime uses it where every GPU pair passes the peer probe), with (ranks - 1) = {} transfers of each rank's part; at decode an all-reduce adds its sum into the residual stream: the P2P kernel in the same launch (reading and writing the residual at its per-peer rate), NCCL with an add launch after it, counted in the collective's time",
             plan.ranks().saturating_sub(1)
         ),
         format!(

@@ -88,8 +88,10 @@ pub enum Op {
     Add { a: BufId, b: BufId, out: BufId },
     /// `out[i] = input[rows[i]]` (rows < 0 give zeros).
     GatherRows { input: BufId, rows: BufId, out: BufId },
-    /// Sum `buf` over all ranks in fixed rank order; every rank gets the sum.
-    AllReduce { buf: BufId },
+    /// Sum `buf` over all ranks in fixed rank order; every rank gets the sum. With `residual`
+    /// (decode: the residual add of the rmsnorm that follows, moved here so that the one-shot
+    /// P2P kernel does it in the same launch), then `residual = round(residual + buf)`.
+    AllReduce { buf: BufId, residual: Option<BufId> },
     /// For each pair, concatenate each rank's `input` columns in rank order into `out` on every
     /// rank (row by row); several pairs share one collective.
     AllGather { pairs: Vec<GatherPair> },
@@ -166,7 +168,7 @@ impl Op {
             Op::MoeExperts { input, ids, weights, shared, .. } => [*input, *ids, *weights].into_iter().chain(*shared).collect(),
             Op::Add { a, b, .. } => vec![*a, *b],
             Op::GatherRows { input, rows, .. } => vec![*input, *rows],
-            Op::AllReduce { buf } => vec![*buf],
+            Op::AllReduce { buf, residual } => std::iter::once(*buf).chain(*residual).collect(),
             Op::AllGather { pairs } => pairs.iter().map(|g| g.input).collect(),
         }
     }
@@ -184,7 +186,7 @@ impl Op {
             Op::Router { logits, ids, weights, .. } => vec![*logits, *ids, *weights],
             Op::IndexerTopK { scores, out, .. } => vec![*scores, *out],
             Op::MlaAttention { absorbed, partials, out, .. } => vec![*out, *absorbed, *partials],
-            Op::AllReduce { buf } => vec![*buf],
+            Op::AllReduce { buf, residual } => std::iter::once(*buf).chain(*residual).collect(),
             Op::MlaKvWrite { .. } | Op::IndexerKeyWrite { .. } => vec![],
         }
     }

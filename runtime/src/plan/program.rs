@@ -96,9 +96,21 @@ pub struct Step {
 
 impl Step {
     /// A collective the plan also gives the one-shot P2P kernel (which a multi-GPU runtime runs
-    /// where every GPU pair passed the peer probe, NCCL otherwise).
-    pub fn p2p_collective(&self) -> bool {
-        matches!(self.op, Op::AllReduce { .. } | Op::AllGather { .. }) && !self.launches.is_empty()
+    /// where every GPU pair passed the peer probe, NCCL otherwise). A collective's launches are
+    /// that kernel first, where it has one, then the launches the NCCL path runs after the
+    /// collective (the residual add of `AllReduce { residual }`).
+    pub fn p2p_collective(&self, plan: &super::Plan) -> bool {
+        matches!(self.op, Op::AllReduce { .. } | Op::AllGather { .. })
+            && self.launches.first().is_some_and(|l| plan.kernels.get(l.kernel.0 as usize).is_some_and(|k| k.family == KernelFamily::Collective))
+    }
+
+    /// The launches a collective's NCCL path runs after NCCL (every launch but the P2P kernel).
+    pub fn after_collective(&self, plan: &super::Plan) -> &[Launch] {
+        if self.p2p_collective(plan) {
+            &self.launches[1..]
+        } else {
+            &self.launches
+        }
     }
 }
 

@@ -2,7 +2,9 @@
 //! or two buffers) whose per-rank part is at most `P2P_MAX_BYTES`: one block per rank sums (or places side by side)
 //! the ranks' buffers over peer memory. The runtime replays it instead of NCCL only when every
 //! GPU pair passed the peer write-and-verify probe; larger collectives and single-rank plans keep
-//! NCCL (or nothing).
+//! NCCL (or nothing). An all-reduce that took over the next rmsnorm's residual add (decode,
+//! `AllReduce { residual }`) has the P2P kernel do the add too, and an `add` launch after it that
+//! only the NCCL path runs (`Step::after_collective`).
 
 use super::{float_flag, of_grid, Cx, Instance};
 use crate::kernels::{P2pCollectiveArgs, P2pCollectiveParams, Ptr};
@@ -24,18 +26,24 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let row = |b: BufId| p.buffer(b).shape.last().copied().unwrap_or(1) as u64 * p.buffer(b).dtype.size() as u64;
     // (this rank's buffers, the results, bytes of a row of each of this rank's buffers)
     let (bufs, outs, rows): (Vec<BufId>, Vec<BufId>, Vec<u64>) = match op {
-        Op::AllReduce { buf } => (vec![*buf], vec![*buf], vec![p.buffer(*buf).bytes]),
+        Op::AllReduce { buf, .. } => (vec![*buf], vec![*buf], vec![p.buffer(*buf).bytes]),
         Op::AllGather { pairs } if (1..=P2P_GATHER_PAIRS).contains(&pairs.len()) => {
             (pairs.iter().map(|g| g.input).collect(), pairs.iter().map(|g| g.out).collect(), pairs.iter().map(|g| row(g.input)).collect())
         }
         _ => return Ok(Vec::new()),
     };
+    // the residual add an all-reduce took over: the NCCL path's launch after the collective
+    let residual = match *op {
+        Op::AllReduce { buf, residual: Some(r) } => Some((r, super::norm::residual_add(cx, r, buf)?)),
+        _ => None,
+    };
     let ranks = cx.plan.ranks();
     let sizes: Vec<u64> = bufs.iter().map(|&b| p.buffer(b).bytes).collect();
     let bytes: u64 = sizes.iter().sum();
     let aligned = sizes.iter().zip(&rows).all(|(&n, &r)| n > 0 && n % 16 == 0 && r > 0 && r % 16 == 0);
-    if !(2..=8).contains(&ranks) || bytes > P2P_MAX_BYTES || !aligned {
-        return Ok(Vec::new());
+    let same = residual.as_ref().is_none_or(|&(r, _)| p.buffer(r).dtype == p.buffer(bufs[0]).dtype && p.buffer(r).bytes == sizes[0]);
+    if !(2..=8).contains(&ranks) || bytes > P2P_MAX_BYTES || !aligned || !same {
+        return Ok(residual.map(|(_, add)| add).into_iter().collect());
     }
     let gather = matches!(op, Op::AllGather { .. });
     let layout = P2pLayout { ranks: ranks as u64 };
@@ -49,6 +57,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         row2: *rows.last().unwrap_or(&rows[0]) as u32,
         // a gather copies bytes of any type
         bf16: if gather { 0 } else { float_flag(p.buffer(bufs[0]).dtype, "an all-reduced buffer")? },
+        add: u32::from(residual.is_some()),
         slot: P2P_MAX_BYTES as u32,
         flags: layout.flags() as u32,
         slots: layout.slots() as u32,
@@ -56,6 +65,8 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         spins: P2P_SPINS,
     };
     let second = |v: &[BufId]| Ptr::Buffer(*v.last().unwrap_or(&v[0]));
-    let args = P2pCollectiveArgs { buf: Ptr::Buffer(bufs[0]), buf2: second(&bufs), out: Ptr::Buffer(outs[0]), out2: second(&outs), region: Ptr::P2pRegion, rank: 1 };
-    Ok(vec![of_grid(&params, [1, 1, 1], THREADS, args.launch_args())])
+    let res = residual.as_ref().map_or(bufs[0], |&(r, _)| r);
+    let args = P2pCollectiveArgs { buf: Ptr::Buffer(bufs[0]), buf2: second(&bufs), out: Ptr::Buffer(outs[0]), out2: second(&outs), residual: Ptr::Buffer(res), region: Ptr::P2pRegion, rank: 1 };
+    // the P2P kernel first, then what the NCCL path runs after the collective
+    Ok(std::iter::once(of_grid(&params, [1, 1, 1], THREADS, args.launch_args())).chain(residual.map(|(_, add)| add)).collect())
 }

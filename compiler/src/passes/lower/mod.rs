@@ -220,9 +220,12 @@ pub fn lower(plan: &mut Plan) -> Result<(), CompileError> {
 }
 
 /// Whether a step of family `step` may launch a kernel of family `kernel`: its own, for the
-/// router the BF16 linear that computes its gate product, for an rmsnorm the residual's add.
+/// router the BF16 linear that computes its gate product, for an rmsnorm or an all-reduce the
+/// residual's add.
 fn may_launch(step: KernelFamily, kernel: KernelFamily) -> bool {
-    kernel == step || (step == KernelFamily::Router && kernel == KernelFamily::LinearBf16) || (step == KernelFamily::RmsNorm && kernel == KernelFamily::Add)
+    kernel == step
+        || (step == KernelFamily::Router && kernel == KernelFamily::LinearBf16)
+        || (matches!(step, KernelFamily::RmsNorm | KernelFamily::Collective) && kernel == KernelFamily::Add)
 }
 
 /// The verifier after lowering: every launch names a kernel of the plan, passes as many

@@ -6,7 +6,7 @@
 use super::{candidate_us, fits, float_flag, numel, of, of_grid, width, Cx, Instance, ELEMENTWISE_MAX_GRID, THREADS};
 use crate::kernels::{AddArgs, AddParams, Ptr, RmsnormArgs, RmsnormParams};
 use kiln_runtime::perf::Constants;
-use kiln_runtime::plan::Op;
+use kiln_runtime::plan::{BufId, Op};
 
 /// (column blocks, predicted µs) of the cheapest column split of a RES = 0 norm over `rows` rows
 /// of `h` values: every block reads its row (`x_size` bytes a value), the weight and output
@@ -71,10 +71,18 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     if cb == 1 || add_us + norm_us >= one {
         return one_block();
     }
-    let add = AddParams { arch: cx.arch, n: n as u32, grid, threads: THREADS, a_bf16: res_bf16, b_bf16: x_bf16, out_bf16: res_bf16 };
     let norm = RmsnormParams { res: 0, res_bf16: 0, x_bf16: res_bf16, src_bf16: res_bf16, cb, ..params };
-    Ok(vec![
-        of(&add, grid, AddArgs { a: Ptr::Buffer(r), b: Ptr::Buffer(input), out: Ptr::Buffer(r) }.launch_args()),
-        columns(norm, r),
-    ])
+    Ok(vec![residual_add(cx, r, input)?, columns(norm, r)])
+}
+
+/// `residual = round(residual + x)` elementwise in an `add` launch: the residual add of a decode
+/// rmsnorm, or of an all-reduce that took it over (`AllReduce { residual }`, after NCCL).
+pub(super) fn residual_add(cx: &Cx, residual: BufId, x: BufId) -> Result<Instance, String> {
+    let p = cx.program;
+    let n = numel(p, residual);
+    let grid = (n as u32).div_ceil(THREADS).clamp(1, ELEMENTWISE_MAX_GRID);
+    let res_bf16 = float_flag(p.buffer(residual).dtype, "the residual")?;
+    let x_bf16 = float_flag(p.buffer(x).dtype, "the input")?;
+    let add = AddParams { arch: cx.arch, n: n as u32, grid, threads: THREADS, a_bf16: res_bf16, b_bf16: x_bf16, out_bf16: res_bf16 };
+    Ok(of(&add, grid, AddArgs { a: Ptr::Buffer(residual), b: Ptr::Buffer(x), out: Ptr::Buffer(residual) }.launch_args()))
 }
