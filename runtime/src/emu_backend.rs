@@ -16,7 +16,7 @@ use crate::cpu::Inputs;
 use crate::emu::{self, BufferId, GlobalMemory, KernelArg, Module, GLOBAL_BASE};
 use crate::error::RuntimeError;
 use crate::numerics::{bytes_floats, float_bytes};
-use crate::plan::{BufId, DType, LaunchArg, Op, P2pLayout, Plan, Program, SplitKLayout};
+use crate::plan::{BufId, DType, Launch, LaunchArg, Op, P2pLayout, Plan, Program, SplitKLayout};
 
 /// One simulated GPU.
 struct Device {
@@ -138,37 +138,33 @@ impl EmuBackend {
                     });
                     results.into_iter().collect::<Result<Vec<()>, String>>().map_err(at)?;
                 }
-                Op::AllReduce { .. } | Op::AllGather { .. } => {
-                    match step.op {
-                        Op::AllReduce { buf, .. } => all_reduce(&mut self.devices, program, buf),
-                        Op::AllGather { ref pairs } => pairs.iter().try_for_each(|g| all_gather(&mut self.devices, program, g.input, g.out)).map_err(at)?,
-                        _ => {}
-                    }
+                Op::AllReduce { buf, .. } => {
+                    all_reduce(&mut self.devices, program, buf);
                     // what the NCCL path runs after the collective (the residual add it took over)
-                    for d in &mut self.devices {
-                        for l in step.after_collective(plan) {
-                            let args = l.args.iter().map(|a| d.arg(plan, program, *a)).collect::<Result<Vec<_>, String>>().map_err(at)?;
-                            let kernel = plan.kernel(l.kernel);
-                            emu::launch(&self.modules[l.kernel.0 as usize], &kernel.entry, l.grid, l.block, l.smem_dynamic, &args, &mut d.mem)
-                                .map_err(|e| at(format!("{} on rank {}: {e}", kernel.name, d.rank)))?;
-                        }
-                    }
+                    launch_on_every_rank(&mut self.devices, plan, program, &self.modules, step.after_collective(plan)).map_err(at)?;
                 }
-                _ => {
-                    for d in &mut self.devices {
-                        for l in &step.launches {
-                            let args = l.args.iter().map(|a| d.arg(plan, program, *a)).collect::<Result<Vec<_>, String>>().map_err(at)?;
-                            let kernel = plan.kernel(l.kernel);
-                            emu::launch(&self.modules[l.kernel.0 as usize], &kernel.entry, l.grid, l.block, l.smem_dynamic, &args, &mut d.mem)
-                                .map_err(|e| at(format!("{} on rank {}: {e}", kernel.name, d.rank)))?;
-                        }
-                    }
+                Op::AllGather { ref pairs } => {
+                    pairs.iter().try_for_each(|g| all_gather(&mut self.devices, program, g.input, g.out)).map_err(at)?;
+                    launch_on_every_rank(&mut self.devices, plan, program, &self.modules, step.after_collective(plan)).map_err(at)?;
                 }
+                _ => launch_on_every_rank(&mut self.devices, plan, program, &self.modules, &step.launches).map_err(at)?,
             }
         }
         self.logits = read_floats(&self.devices[0], program, program.logits);
         Ok(&self.logits)
     }
+}
+
+/// Runs `launches` in order on every rank's memory.
+fn launch_on_every_rank(devices: &mut [Device], plan: &Plan, program: &Program, modules: &[Module], launches: &[Launch]) -> Result<(), String> {
+    for d in devices {
+        for l in launches {
+            let args = l.args.iter().map(|a| d.arg(plan, program, *a)).collect::<Result<Vec<_>, String>>()?;
+            let kernel = plan.kernel(l.kernel);
+            emu::launch(&modules[l.kernel.0 as usize], &kernel.entry, l.grid, l.block, l.smem_dynamic, &args, &mut d.mem).map_err(|e| format!("{} on rank {}: {e}", kernel.name, d.rank))?;
+        }
+    }
+    Ok(())
 }
 
 impl Device {

@@ -26,7 +26,8 @@ pub(crate) fn add(a: &[f32], b: &[f32], round: Round, out: &mut [f32]) {
     }
 }
 
-/// `acc[i] = acc[i] + b[i]`, rounded: [`add`] in place (MoE's output plus the shared experts').
+/// `acc[i] = acc[i] + b[i]`, rounded: [`add`] in place (MoE's output plus the shared experts', a
+/// residual plus the sub-layer output).
 pub(crate) fn add_in_place(acc: &mut [f32], b: &[f32], round: Round) {
     for (v, &y) in acc.iter_mut().zip(b) {
         *v = round.apply(*v + y);

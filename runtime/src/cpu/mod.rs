@@ -535,8 +535,7 @@ fn all_reduce(ranks: &mut [Rank], staging: &mut Vec<f32>, cx: &Cx, buf: BufId, r
     for rank in ranks.iter_mut() {
         rank.f[buf.0 as usize][..n].copy_from_slice(acc);
         if let Some(r) = residual {
-            let rr = Round::for_dtype(cx.program.buffer(r).dtype, cx.opts.precision);
-            rank.f[r.0 as usize][..n].iter_mut().zip(acc.iter()).for_each(|(a, &b)| *a = rr.apply(*a + b));
+            elementwise::add_in_place(&mut rank.f[r.0 as usize][..n], acc, Round::for_dtype(cx.program.buffer(r).dtype, cx.opts.precision));
         }
     }
     Ok(())
@@ -622,8 +621,7 @@ impl Rank {
                 let source = match residual {
                     Some(r) => {
                         let mut res = take(&mut self.f, r);
-                        let rr = round(r);
-                        res[..n(r)].iter_mut().zip(&self.f[input.0 as usize][..n(input)]).for_each(|(a, &b)| *a = rr.apply(*a + b));
+                        elementwise::add_in_place(&mut res[..n(r)], &self.f[input.0 as usize][..n(input)], round(r));
                         self.f[r.0 as usize] = res;
                         r
                     }

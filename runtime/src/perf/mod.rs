@@ -169,13 +169,29 @@ pub struct CollectivePerf {
     pub step: usize,
     pub all_reduce: bool,
     pub bytes: u64,
-    /// NCCL's time, with the launches its path runs after the collective.
+    /// NCCL's time for the collective alone.
     pub nccl_us: f64,
-    /// The floor ([`launch_floor_us`]) of those launches (they are part of `nccl_us`).
-    pub after_floor_us: f64,
+    /// The launches the NCCL path runs after the collective: their time and their floor
+    /// ([`launch_floor_us`]).
     pub after_us: f64,
+    pub after_floor_us: f64,
     /// The one-shot P2P kernel's time, where the plan has it.
     pub p2p_us: Option<f64>,
+}
+
+impl CollectivePerf {
+    /// The step time of the NCCL path: the collective, then the launches after it.
+    pub fn nccl_path_us(&self) -> f64 {
+        self.nccl_us + self.after_us
+    }
+
+    /// The path taken (P2P where asked and the plan has the kernel): its time and its floor.
+    fn path_us(&self, p2p: bool) -> (f64, f64) {
+        match (p2p, self.p2p_us) {
+            (true, Some(t)) => (t, t),
+            _ => (self.nccl_path_us(), self.nccl_us + self.after_floor_us),
+        }
+    }
 }
 
 /// A program under one load, predicted launch by launch.
@@ -191,7 +207,7 @@ impl ProgramPerf {
     }
 
     pub fn collective_us(&self, p2p: bool) -> f64 {
-        self.collectives.iter().map(|c| if p2p { c.p2p_us.unwrap_or(c.nccl_us) } else { c.nccl_us }).sum()
+        self.collectives.iter().map(|c| c.path_us(p2p).0).sum()
     }
 
     pub fn step_us(&self, p2p: bool) -> f64 {
@@ -201,8 +217,7 @@ impl ProgramPerf {
     /// The step's floor: every launch's [`launch_floor_us`] plus the collectives (with the floor
     /// of the launches an NCCL collective's path runs after it).
     pub fn floor_us(&self, p2p: bool, k: &Constants) -> f64 {
-        let collectives: f64 = self.collectives.iter().map(|c| if p2p && c.p2p_us.is_some() { c.p2p_us.unwrap_or(0.0) } else { c.nccl_us - c.after_us + c.after_floor_us }).sum();
-        self.launches.iter().map(|l| launch_floor_us(&l.cost, k)).sum::<f64>() + collectives
+        self.launches.iter().map(|l| launch_floor_us(&l.cost, k)).sum::<f64>() + self.collectives.iter().map(|c| c.path_us(p2p).1).sum::<f64>()
     }
 
     pub fn bytes(&self) -> Bytes {
@@ -237,7 +252,7 @@ pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constant
                 let add_us = if residual.is_some() { 2.0 * bytes as f64 / (k.p2p_gbps * 1e3) } else { 0.0 };
                 let p2p_us = p2p_us.filter(|_| step.p2p_collective(plan)).map(|t| t + add_us);
                 let (after_us, after_floor_us) = after_collective_us(plan, step, load, k).map_err(|e| format!("{} step {s} ({}): {e}", program.name, step.op.name()))?;
-                collectives.push(CollectivePerf { step: s, all_reduce: true, bytes, nccl_us: nccl_us + after_us, after_us, after_floor_us, p2p_us });
+                collectives.push(CollectivePerf { step: s, all_reduce: true, bytes, nccl_us, after_us, after_floor_us, p2p_us });
                 continue;
             }
             Op::AllGather { ref pairs } => {
@@ -246,7 +261,7 @@ pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constant
                 let (nccl_us, p2p_us) = collective_time(false, bytes as f64, plan.ranks(), k);
                 let p2p_us = p2p_us.filter(|_| step.p2p_collective(plan));
                 let (after_us, after_floor_us) = after_collective_us(plan, step, load, k).map_err(|e| format!("{} step {s} ({}): {e}", program.name, step.op.name()))?;
-                collectives.push(CollectivePerf { step: s, all_reduce: false, bytes, nccl_us: nccl_us + after_us, after_us, after_floor_us, p2p_us });
+                collectives.push(CollectivePerf { step: s, all_reduce: false, bytes, nccl_us, after_us, after_floor_us, p2p_us });
                 continue;
             }
             _ => {}
@@ -503,7 +518,7 @@ pub fn top(plan: &Plan, k: &Constants, batch: usize, context: usize, count: usiz
             continue;
         }
         let n = cs.len() as f64;
-        let total: f64 = cs.iter().map(|c| c.nccl_us).sum();
+        let total: f64 = cs.iter().map(|c| c.nccl_path_us()).sum();
         let bytes = cs.iter().map(|c| c.bytes as f64).sum::<f64>() / n;
         launches.push(TopLaunch {
             kernel: if all_reduce { "nccl all_reduce".into() } else { "nccl all_gather".into() },

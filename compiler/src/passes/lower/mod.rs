@@ -322,13 +322,17 @@ fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         Op::MoeExperts { .. } => moe::instances(cx, op),
         Op::Router { .. } => router::instances(cx, op),
         Op::Linear { .. } => {
-            if split_k_beats_gemv(cx, op) {
-                if let Ok(list) = gemm::instances(cx, op) {
-                    return Ok(list);
+            let gemv = gemv(cx, op);
+            // the GEMM's split form with K over blocks where the byte model prices it below the GEMV
+            if let Ok((_, gemv_us)) = gemv {
+                if split_k_us(cx, op).is_some_and(|us| us < gemv_us) {
+                    if let Ok(list) = gemm::instances(cx, op) {
+                        return Ok(list);
+                    }
                 }
             }
-            match instance(cx, op) {
-                Ok(i) => Ok(vec![i]),
+            match gemv {
+                Ok((i, _)) => Ok(vec![i]),
                 Err(gemv) => gemm::instances(cx, op).map_err(|gemm| format!("GEMV: {gemv}; GEMM: {gemm}")),
             }
         }
@@ -336,121 +340,116 @@ fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     }
 }
 
-/// Whether a linear the GEMV could take goes to the GEMM's split form with K shared out over
-/// blocks instead, because the byte model predicts it faster: every GEMV block stages all of x,
-/// so a few-column projection over a long K (the indexer's 32 head weights over 6,144) reads x
-/// as often as its weights, or leaves SMs idle. The GEMV's cost is the one its column count was
-/// chosen by ([`gemv_tasks_per_block`]).
-fn split_k_beats_gemv(cx: &Cx, op: &Op) -> bool {
+/// The predicted µs of a linear in the GEMM's split form when that form shares K over blocks
+/// (else None). Every GEMV block stages all of x, so a few-column projection over a long K (the
+/// indexer's 32 head weights over 6,144) reads x as often as its weights, or leaves SMs idle:
+/// there the split form can be the cheaper one.
+fn split_k_us(cx: &Cx, op: &Op) -> Option<f64> {
     let Op::Linear { input, ref weights, ref parts, k, epilogue, .. } = *op else {
-        return false;
+        return None;
     };
     let p = cx.program;
     let m = numel(p, input) / k.max(1);
-    let x_size = if p.buffer(input).dtype == DType::BF16 { 2 } else { 4 };
-    let staged = m * k * x_size;
     let n: usize = parts.iter().map(|q| q.rows).sum();
-    if m == 0 || m > GEMV_MAX_M || k == 0 || n == 0 || staged > cx.smem_limit as usize {
-        return false;
+    if m == 0 || n == 0 || k == 0 {
+        return None;
     }
-    let (gemv_us, split_us) = match *weights {
+    let x_bf16 = p.buffer(input).dtype == DType::BF16;
+    match *weights {
         LinearWeights::Bf16 { .. } => {
-            let min_per_block = gemv_min_per_block(m, k / 8, staged + m * THREADS as usize / 8, cx.smem_limit);
-            let per_block = gemv_tasks_per_block(n, 2 * k, staged, min_per_block, &cx.consts);
-            let (form, us) = gemm::bf16_gemm_form(m, n, k, x_size == 2, &cx.consts);
-            (gemv_us(n, 2 * k, staged, per_block, &cx.consts), (form.ks > 1).then_some(us))
+            let (form, us) = gemm::bf16_gemm_form(m, n, k, x_bf16, &cx.consts);
+            (form.ks > 1).then_some(us)
         }
         LinearWeights::Nvfp4 { .. } => {
-            let Ok(silu) = nvfp4_linear_shape(k, parts, epilogue, "GEMV") else { return false };
-            let gemv_smem = parts.len() * m * (k * 2 + k / 4) + 16;
-            if gemv_smem > cx.smem_limit as usize {
-                return false;
-            }
-            let tasks = if silu { parts[0].rows } else { n };
-            let task_bytes = (if silu { 2 } else { 1 }) * k * 9 / 16;
-            let sums = (silu as usize + 1) * m * THREADS as usize / 8;
-            let min_per_block = gemv_min_per_block(m, k / 16, gemv_smem + sums, cx.smem_limit);
-            let per_block = gemv_tasks_per_block(tasks, task_bytes, staged, min_per_block, &cx.consts);
+            let silu = nvfp4_linear_shape(k, parts, epilogue, "GEMM").ok()?;
             let widest = parts.iter().map(|q| q.rows).max().unwrap_or(0);
-            let (form, us) = gemm::nvfp4_gemm_form(m, widest, k, silu, x_size == 2, &cx.consts);
+            let ((.., slices), us) = gemm::nvfp4_gemm_form(m, widest, k, silu, x_bf16, &cx.consts);
             // one launch per part without SiLU
             let launches = if silu { 1.0 } else { parts.len() as f64 };
-            (gemv_us(tasks, task_bytes, staged, per_block, &cx.consts), (form.3 > 1).then_some(us * launches))
+            (slices > 1).then_some(us * launches)
         }
+    }
+}
+
+/// The GEMV of a linear of at most `GEMV_MAX_M` rows, and its predicted µs (the cost its columns
+/// per block were chosen by, [`gemv_tasks_per_block`]).
+fn gemv(cx: &Cx, op: &Op) -> Result<(Instance, f64), String> {
+    let (p, arch, smem_limit) = (cx.program, cx.arch, cx.smem_limit);
+    let Op::Linear { input, ref weights, ref parts, k, epilogue, out } = *op else {
+        return Err("not a linear".into());
     };
-    split_us.is_some_and(|us| us < gemv_us)
+    let m = numel(p, input) / k.max(1);
+    if m > GEMV_MAX_M {
+        return Err(format!("M > {GEMV_MAX_M} is the tiled GEMM's"));
+    }
+    let x_bf16 = float_flag(p.buffer(input).dtype, "the input")?;
+    let out_bf16 = float_flag(p.buffer(out).dtype, "the output")?;
+    let n: usize = parts.iter().map(|q| q.rows).sum();
+    match *weights {
+        LinearWeights::Bf16 { weight } => {
+            bf16_linear_shape(k, epilogue, "GEMV")?;
+            let staged = m * k * if x_bf16 == 1 { 2 } else { 4 };
+            fits(staged, smem_limit, &format!("a BF16 GEMV with M = {m}, K = {k}"))?;
+            let min_per_block = gemv_min_per_block(m, k / 8, staged + m * THREADS as usize / 8, smem_limit);
+            let tasks_per_block = gemv_tasks_per_block(n, 2 * k, staged, min_per_block, &cx.consts);
+            let params = LinearBf16GemvParams {
+                arch,
+                m: m as u32,
+                n: n as u32,
+                k: k as u32,
+                tasks_per_block,
+                unroll: loads_ahead(m),
+                threads: THREADS,
+                x_bf16,
+                out_bf16,
+            };
+            let args = LinearBf16GemvArgs { x: Ptr::Buffer(input), w: Ptr::Weight(weight), out: Ptr::Buffer(out) };
+            let us = gemv_us(n, 2 * k, staged, tasks_per_block, &cx.consts);
+            Ok((of(&params, (n as u32).div_ceil(tasks_per_block), args.launch_args()), us))
+        }
+        LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => {
+            let silu = nvfp4_linear_shape(k, parts, epilogue, "GEMV")?;
+            // f16 codes and f32 block scales of each part's rows, and 16 B of scalars
+            fits(parts.len() * m * (k * 2 + k / 4) + 16, smem_limit, &format!("an NVFP4 GEMV with M = {m}, K = {k}"))?;
+            let tasks = if silu { parts[0].rows } else { n };
+            // a task is one output column: one weight row, or a gate and an up row
+            let task_bytes = (if silu { 2 } else { 1 }) * k * 9 / 16;
+            let staged = m * k * if x_bf16 == 1 { 2 } else { 4 };
+            let sums = (silu as usize + 1) * m * THREADS as usize / 8;
+            let min_per_block = gemv_min_per_block(m, k / 16, parts.len() * m * (k * 2 + k / 4) + 16 + sums, smem_limit);
+            let tasks_per_block = gemv_tasks_per_block(tasks, task_bytes, staged, min_per_block, &cx.consts);
+            let params = LinearNvfp4GemvParams {
+                arch,
+                m: m as u32,
+                n: n as u32,
+                k: k as u32,
+                n0: parts[0].rows as u32,
+                parts: parts.len() as u32,
+                silu: silu as u32,
+                tasks: tasks as u32,
+                tasks_per_block,
+                unroll: loads_ahead(m),
+                threads: THREADS,
+                x_bf16,
+                out_bf16,
+            };
+            let args = LinearNvfp4GemvArgs {
+                x: Ptr::Buffer(input),
+                w: Ptr::Weight(weight),
+                sf: Ptr::Weight(scale),
+                scale_2: Ptr::Weight(scale_2),
+                input_scale: Ptr::Weight(input_scale),
+                out: Ptr::Buffer(out),
+            };
+            let us = gemv_us(tasks, task_bytes, staged, tasks_per_block, &cx.consts);
+            Ok((of(&params, (tasks as u32).div_ceil(tasks_per_block), args.launch_args()), us))
+        }
+    }
 }
 
 fn instance(cx: &Cx, op: &Op) -> Result<Instance, String> {
-    let (plan, p, arch, smem_limit) = (cx.plan, cx.program, cx.arch, cx.smem_limit);
+    let (plan, p, arch) = (cx.plan, cx.program, cx.arch);
     match *op {
-        Op::Linear { input, ref weights, ref parts, k, epilogue, out } => {
-            let m = numel(p, input) / k.max(1);
-            if m > GEMV_MAX_M {
-                return Err(format!("M > {GEMV_MAX_M} is the tiled GEMM's"));
-            }
-            let x_bf16 = float_flag(p.buffer(input).dtype, "the input")?;
-            let out_bf16 = float_flag(p.buffer(out).dtype, "the output")?;
-            let n: usize = parts.iter().map(|q| q.rows).sum();
-            match *weights {
-                LinearWeights::Bf16 { weight } => {
-                    bf16_linear_shape(k, epilogue, "GEMV")?;
-                    let staged = m * k * if x_bf16 == 1 { 2 } else { 4 };
-                    fits(staged, smem_limit, &format!("a BF16 GEMV with M = {m}, K = {k}"))?;
-                    let min_per_block = gemv_min_per_block(m, k / 8, staged + m * THREADS as usize / 8, smem_limit);
-                    let tasks_per_block = gemv_tasks_per_block(n, 2 * k, staged, min_per_block, &cx.consts);
-                    let params = LinearBf16GemvParams {
-                        arch,
-                        m: m as u32,
-                        n: n as u32,
-                        k: k as u32,
-                        tasks_per_block,
-                        unroll: loads_ahead(m),
-                        threads: THREADS,
-                        x_bf16,
-                        out_bf16,
-                    };
-                    let args = LinearBf16GemvArgs { x: Ptr::Buffer(input), w: Ptr::Weight(weight), out: Ptr::Buffer(out) };
-                    Ok(of(&params, (n as u32).div_ceil(tasks_per_block), args.launch_args()))
-                }
-                LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => {
-                    let silu = nvfp4_linear_shape(k, parts, epilogue, "GEMV")?;
-                    // f16 codes and f32 block scales of each part's rows, and 16 B of scalars
-                    fits(parts.len() * m * (k * 2 + k / 4) + 16, smem_limit, &format!("an NVFP4 GEMV with M = {m}, K = {k}"))?;
-                    let tasks = if silu { parts[0].rows } else { n };
-                    // a task is one output column: one weight row, or a gate and an up row
-                    let task_bytes = (if silu { 2 } else { 1 }) * k * 9 / 16;
-                    let staged = m * k * if x_bf16 == 1 { 2 } else { 4 };
-                    let sums = (silu as usize + 1) * m * THREADS as usize / 8;
-                    let min_per_block = gemv_min_per_block(m, k / 16, parts.len() * m * (k * 2 + k / 4) + 16 + sums, smem_limit);
-                    let tasks_per_block = gemv_tasks_per_block(tasks, task_bytes, staged, min_per_block, &cx.consts);
-                    let params = LinearNvfp4GemvParams {
-                        arch,
-                        m: m as u32,
-                        n: n as u32,
-                        k: k as u32,
-                        n0: parts[0].rows as u32,
-                        parts: parts.len() as u32,
-                        silu: silu as u32,
-                        tasks: tasks as u32,
-                        tasks_per_block,
-                        unroll: loads_ahead(m),
-                        threads: THREADS,
-                        x_bf16,
-                        out_bf16,
-                    };
-                    let args = LinearNvfp4GemvArgs {
-                        x: Ptr::Buffer(input),
-                        w: Ptr::Weight(weight),
-                        sf: Ptr::Weight(scale),
-                        scale_2: Ptr::Weight(scale_2),
-                        input_scale: Ptr::Weight(input_scale),
-                        out: Ptr::Buffer(out),
-                    };
-                    Ok(of(&params, (tasks as u32).div_ceil(tasks_per_block), args.launch_args()))
-                }
-            }
-        }
         Op::Embed { ids, table, vocab_rows, out } => {
             let h = width(p, out);
             let tokens = numel(p, out) / h.max(1);
