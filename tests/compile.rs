@@ -635,3 +635,36 @@ fn decode_all_reduces_take_over_the_residual_add_and_the_p2p_kernel_does_it() {
         }
     }
 }
+
+#[test]
+fn decode_projections_of_the_same_activations_are_one_launch() {
+    use kiln_runtime::plan::{read_plan, Op, ProgramKind};
+    // the shipped GLM-5 plan (tp 8): at decode, q_a, kv_a (this rank's rows), the indexer's wk
+    // and head weights (of the normed hidden state) form one group, q_b and the indexer's wq_b
+    // (of the normed q_a) another, each one launch of the BF16 GEMM with its members side by side
+    // (SEGS); prefill keeps them apart (its tiled GEMM has no segments)
+    let art = Path::new(env!("CARGO_MANIFEST_DIR")).join("artifacts/GLM-5-NVFP4-sm120a-tp8");
+    let plan = read_plan(&art).unwrap();
+    let slot = |w: kiln_runtime::plan::WeightId| plan.weight(w).name.clone();
+    for p in &plan.programs {
+        let groups: Vec<&Op> = p.steps.iter().map(|s| &s.op).filter(|op| matches!(op, Op::LinearGroup { .. })).collect();
+        let decode = matches!(p.kind, ProgramKind::Decode { .. });
+        assert_eq!(groups.len(), if decode { 2 * plan.model.num_hidden_layers } else { 0 }, "{}", p.name);
+        for (s, step) in p.steps.iter().enumerate() {
+            let Op::LinearGroup { members, .. } = &step.op else { continue };
+            let names: Vec<String> = members.iter().map(|g| slot(g.weight)).collect();
+            let ends: Vec<&str> = names.iter().map(|n| n.rsplit_once(".self_attn.").map_or(n.as_str(), |(_, e)| e)).collect();
+            assert!(
+                ends == ["q_a_proj.weight", "kv_a_proj_with_mqa.weight", "indexer.wk.weight", "indexer.weights_proj.weight"] || ends == ["q_b_proj.weight", "indexer.wq_b.weight"],
+                "{} step {s}: group {names:?}", p.name
+            );
+            assert_eq!(step.launches.len(), 1, "{} step {s}: {names:?} is not one launch", p.name);
+            let k = plan.kernel(step.launches[0].kernel);
+            assert!(k.params.iter().any(|(n, v)| n == "SEGS" && *v as usize == members.len()), "{}: {}", p.name, k.name);
+            // every member's output is still read after the group, by a later step
+            for g in members {
+                assert!(p.steps[s + 1..].iter().any(|t| t.op.reads().contains(&g.out)), "{} step {s}: {} is never read", p.name, p.buffer(g.out).name);
+            }
+        }
+    }
+}

@@ -18,7 +18,8 @@ use common::{bytes, floats, randn};
 use kiln_compiler::kernels::{LinearBf16GemmParams, LinearNvfp4GemmParams};
 use kiln_compiler::passes::lower::{bf16_gemm_form, nvfp4_gemm_form};
 use kiln_runtime::perf::Constants;
-use kiln_runtime::plan::SplitKLayout;
+use kiln_runtime::plan::{DType, SplitKLayout};
+use kiln_runtime::verify::{compare, Values};
 use kiln_runtime::cpu::reference;
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
 use kiln_runtime::rng::Rng;
@@ -255,7 +256,7 @@ fn gemms_match_the_cpu_at_glm5_depth() {
 /// The BF16 GEMM's form: `split` 0 tiled (`mt` m16 tiles per warp, 32 * mt x 128 blocks, stages
 /// of `kb` k16 steps in `nbuf` buffers) or 1 split-K (16 * mt x 8 * nt blocks, K over `ks`
 /// blocks).
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 struct Form {
     split: u32,
     mt: u32,
@@ -287,14 +288,15 @@ fn bf16_case(m: usize, n: usize, k: usize, x_bf16: bool, out_bf16: bool, f: Form
     let mut want = vec![0f32; m * n];
     reference::linear_bf16(&x, m, &wb, k, n, out_bf16, &mut want);
     let partials = if ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
-    let params = LinearBf16GemmParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, split, ks, partials, mt, nt, kb, nbuf, threads: 256, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32 };
+    let params = LinearBf16GemmParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, segs: 1, c1: 0, c2: 0, c3: 0, split, ks, partials, mt, nt, kb, nbuf, threads: 256, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32 };
     let module = Module::parse(&params.render().unwrap(), "linear_bf16_gemm.ptx").unwrap();
     let mut g = GlobalMemory::new();
     let bx = g.alloc_bytes("x", &bytes(&x, x_bf16));
     let bw = g.alloc_bytes("w", &wb);
     let bo = g.alloc("out", m * n * if out_bf16 { 2 } else { 4 });
     let region = g.alloc("split_k_region", SplitKLayout::BYTES as usize);
-    let args: Vec<KernelArg> = [bx, bw, bo, region].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+    // one segment: w1..w3 and out1..out3 repeat w and out
+    let args: Vec<KernelArg> = [bx, bw, bo, bw, bw, bw, bo, bo, bo, region].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
     let (gx, gy) = (n.div_ceil(bn), m.div_ceil(bm));
     let grid = [gx as u32, gy as u32, ks];
     let what = format!("bf16 gemm M={m} N={n} K={k} x_bf16={x_bf16} out_bf16={out_bf16} split={split} mt={mt} nt={nt} kb={kb} nbuf={nbuf} ks={ks}");
@@ -379,6 +381,84 @@ fn split_k_across_blocks_matches_the_cpu_and_replays_the_same_bits() {
     }
 }
 
+/// One launch of a group of BF16 linears of the same x (`SEGS`: weights and outputs side by
+/// side in the columns), each output against the CPU's linear under verify's tolerance; with
+/// `shift` the launch gets segment 1's first column moved by that many (a mutant), and the
+/// result says whether the launch ran and every output matched.
+fn bf16_group_case(m: usize, k: usize, members: &[(usize, bool)], x_bf16: bool, f: Form, shift: i32, seed: u64) -> bool {
+    let mut rng = Rng::new(seed);
+    let x = randn(&mut rng, m * k, 1.0, x_bf16);
+    let n: usize = members.iter().map(|&(rows, _)| rows).sum();
+    let mut g = GlobalMemory::new();
+    let bx = g.alloc_bytes("x", &bytes(&x, x_bf16));
+    let (mut ws, mut outs, mut wants, mut starts, mut mask) = (Vec::new(), Vec::new(), Vec::new(), vec![0u32; 4], 0u32);
+    let mut col = 0;
+    for (s, &(rows, out_bf16)) in members.iter().enumerate() {
+        let wb = bytes(&randn(&mut rng, rows * k, 0.1, true), true);
+        let mut want = vec![0f32; m * rows];
+        reference::linear_bf16(&x, m, &wb, k, rows, out_bf16, &mut want);
+        ws.push(g.alloc_bytes(&format!("w{s}"), &wb));
+        outs.push(g.alloc(&format!("out{s}"), m * rows * if out_bf16 { 2 } else { 4 }));
+        wants.push(want);
+        starts[s] = col as u32;
+        mask |= (out_bf16 as u32) << s;
+        col += rows;
+    }
+    starts[1] = (starts[1] as i32 + shift) as u32;
+    let region = g.alloc("split_k_region", SplitKLayout::BYTES as usize);
+    let partials = if f.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
+    let (m32, n32, k32) = (m as u32, n as u32, k as u32);
+    let params = LinearBf16GemmParams { arch: 120, m: m32, n: n32, k: k32, segs: members.len() as u32, c1: starts[1], c2: starts[2], c3: starts[3], split: 1, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: 2, nbuf: 2, threads: 256, x_bf16: x_bf16 as u32, out_bf16: mask };
+    let module = Module::parse(&params.render().unwrap(), "linear_bf16_gemm.ptx").unwrap();
+    let seg = |v: &Vec<_>, s: usize| *v.get(s).unwrap_or(&v[0]);
+    let args: Vec<KernelArg> = [bx, ws[0], outs[0], seg(&ws, 1), seg(&ws, 2), seg(&ws, 3), seg(&outs, 1), seg(&outs, 2), seg(&outs, 3), region].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+    let grid = [n.div_ceil(8 * f.nt as usize) as u32, m.div_ceil(16 * f.mt as usize) as u32, f.ks];
+    // (a mutant's loads may run past a weight: the emulator's bounds check is a failure too)
+    if let Err(e) = launch(&module, LinearBf16GemmParams::ENTRY, grid, [256, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g) {
+        eprintln!("{params:?}: {e}");
+        return false;
+    }
+    let counters = g.read(region);
+    assert!(counters[..4 * (grid[0] * grid[1]) as usize].iter().all(|&b| b == 0), "a tile counter is not back at zero");
+    members.iter().enumerate().all(|(s, &(rows, out_bf16))| {
+        let what = format!("group M={m} K={k} member {s} ({rows} rows, out_bf16={out_bf16}) of {members:?} {f:?} shift {shift}");
+        let emu = floats(&g.read(outs[s]), out_bf16);
+        let c = compare(if out_bf16 { DType::BF16 } else { DType::F32 }, &Values::F32(emu), &Values::F32(wants[s].clone()));
+        eprintln!("{what}: max abs {:.3e}, max rel {:.3e}, {} beyond", c.max_abs, c.max_rel, c.beyond + c.non_finite);
+        c.ok()
+    })
+}
+
+#[test]
+fn grouped_bf16_linears_match_the_cpu_member_by_member() {
+    // GLM-5 tp8 decode groups as lowering forms them: q_a's 256 columns, kv_a's 72, the
+    // indexer's wk (128) and head weights (32, F32 out) of the hidden state (K = 6144); q_b's
+    // 2,048 and wq_b's 512 of q_a (K = 2048); an n8 tile-aligned but block-straddling boundary
+    // (72 with 32-column blocks); a ragged last member; one slice and K over blocks
+    let qa = [(256, true), (72, true), (128, true), (32, false)];
+    for (i, (m, k, members, x_bf16)) in [
+        (1, 6144, &qa[..], true),
+        (4, 6144, &qa[..], true),
+        (64, 6144, &qa[..], true),
+        (1, 2048, &[(2048, true), (512, true)][..], true),
+        (3, 520, &[(40, false), (24, true), (13, true)][..], false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let n: usize = members.iter().map(|&(r, _)| r).sum();
+        let (picked, _) = kiln_compiler::passes::lower::bf16_gemm_form(m, n, k, x_bf16, &Constants::SM120A);
+        let forms = [split_k(picked.mt.max(1), if picked.split == 1 { picked.nt } else { 4 }, picked.ks), split(m.div_ceil(16).min(4) as u32, 4)];
+        for f in forms {
+            assert!(bf16_group_case(m, k, members, x_bf16, f, 0, 900 + i as u64), "group {i} {f:?} differs from the CPU");
+        }
+    }
+    // mutants: segment 1 starting one n8 tile late (its first columns go to segment 0's
+    // weights), or early, must show
+    assert!(!bf16_group_case(1, 6144, &qa, true, split_k(1, 4, 12), 8, 950), "a misplaced segment boundary went unnoticed");
+    assert!(!bf16_group_case(4, 2048, &[(2048, true), (512, true)], true, split(1, 4), -8, 951), "a misplaced segment boundary went unnoticed");
+}
+
 /// (registers, spill bytes, static smem) of one rendered kernel.
 fn assemble(ptxas: &std::path::Path, name: &str, ptx: &str) -> (u32, u32, u32) {
     let r = common::assemble(ptxas, name, ptx).unwrap_or_else(|e| panic!("{e}"));
@@ -419,9 +499,20 @@ fn glm5_prefill_shapes_assemble_without_spills() {
                     tiled(2, 2, 3)
                 };
                 let partials = if f.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
-                let p = LinearBf16GemmParams { arch, m, n, k, split: f.split, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16, out_bf16 };
+                let p = LinearBf16GemmParams { arch, m, n, k, segs: 1, c1: 0, c2: 0, c3: 0, split: f.split, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16, out_bf16 };
                 kernels.push((format!("bf16_sm{arch}_m{m}_n{n}_k{k}_x{x_bf16}_o{out_bf16}_s{}_mt{}_nt{}_kb{}_nbuf{}_ks{}", f.split, f.mt, f.nt, f.kb, f.nbuf, f.ks), p.render().unwrap(), p.dynamic_smem().unwrap()));
             }
+        }
+    }
+    // BF16 decode groups (tp8): q_a | kv_a | wk | head weights (F32) of K = 6144, q_b | wq_b of 2048
+    for (arch, m) in [120, 90].into_iter().flat_map(|a| [1u32, 4, 16, 64].map(|m| (a, m))) {
+        for (k, starts, n, mask) in [(6144u32, [256u32, 328, 456], 488u32, 7u32), (2048, [2048, 0, 0], 2560, 3)] {
+            let segs = if starts[1] == 0 { 2 } else { 4 };
+            let (picked, _) = bf16_gemm_form(m as usize, n as usize, k as usize, true, &Constants::SM120A);
+            let f = split_k(picked.mt, if picked.split == 1 { picked.nt } else { 4 }, picked.ks);
+            let partials = if f.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
+            let p = LinearBf16GemmParams { arch, m, n, k, segs, c1: starts[0], c2: starts[1], c3: starts[2], split: 1, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: 2, nbuf: 2, threads: 256, x_bf16: 1, out_bf16: mask };
+            kernels.push((format!("bf16group_sm{arch}_m{m}_n{n}_k{k}_s1_segs{segs}_mt{}_nt{}_ks{}", f.mt, f.nt, f.ks), p.render().unwrap(), p.dynamic_smem().unwrap()));
         }
     }
     // (instances, fewest and most registers, least and most shared memory) per form

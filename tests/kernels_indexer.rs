@@ -2,7 +2,9 @@
 //! (`reference::indexer_topk`): the selected positions must be identical (the kernel's scores
 //! are bit-identical to the CPU's), on ragged batches with pages out of order, padding tokens,
 //! unassigned pages, sequences shorter than / equal to / longer than top-k, forced ties, and
-//! top-k sizes that make the kernel compact its candidate buffer many times. The GLM-5 tp8
+//! top-k sizes that make the kernel compact its candidate buffer many times; lists are in
+//! ascending position order. Decode's selection runs in both of its paths (every key in shared
+//! memory up to FAST positions, candidates beyond), each equal to the fused kernel. The GLM-5 tp8
 //! instance (decode and 8192-token prefill use the same kernel; only the grid differs) must
 //! assemble with ptxas for sm_120a without spills, within 255 registers and 101376 B of shared
 //! memory.
@@ -10,7 +12,7 @@
 mod common;
 
 use kiln_compiler::kernels::IndexerTopkParams;
-use kiln_compiler::passes::lower::{SELECT_THREADS, SMEM_LIMIT, THREADS};
+use kiln_compiler::passes::lower::{fast_positions, SELECT_THREADS, SMEM_LIMIT, THREADS};
 use kiln_runtime::cpu::reference::{self, Cache, TokenInputs};
 use kiln_runtime::cpu::rope::Rope;
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
@@ -45,6 +47,7 @@ fn params(heads: usize, dim: usize, rope: usize, page: usize, pps: usize, topk: 
         q_bf16: q_bf16 as u32,
         w_bf16: w_bf16 as u32,
         mode: 0,
+        fast: 0,
     }
 }
 
@@ -200,14 +203,22 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, u64) {
         let split: Vec<i32> = g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         assert!(split == got, "top-{}: scoring on {blocks_y} block(s) of {threads} threads per token, then selecting, differs from the fused kernel", c.topk);
     }
-    // The lowering's selection blocks are larger (their own candidate buffer): the same lists
-    // from the last pass's scores.
-    let wide = IndexerTopkParams { mode: 2, threads: SELECT_THREADS, cap: capacity(c.topk.next_power_of_two(), SELECT_THREADS) as u32, ..p };
-    let mw = Module::parse(&wide.render().unwrap(), "indexer_topk.ptx").unwrap();
-    g.write(bo, 0, &vec![0u8; n_tok * c.topk * 4]);
-    launch(&mw, IndexerTopkParams::ENTRY, [n_tok as u32, 1, 1], [SELECT_THREADS, 1, 1], wide.dynamic_smem().unwrap(), &args, &mut g).unwrap();
-    let wide_got: Vec<i32> = g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-    assert!(wide_got == got, "top-{}: selecting with {SELECT_THREADS} threads differs from the fused kernel", c.topk);
+    // The lowering's selection blocks are larger (their own candidate buffer) and keep every key
+    // of up to `fast_positions` positions in shared memory (no candidates, no sort); a small FAST
+    // sends the longer rows of the same launch to the candidate path: the same lists from the
+    // last pass's scores either way.
+    let p2 = c.topk.next_power_of_two();
+    let fast = fast_positions(SMEM_LIMIT);
+    for (threads, fast) in [(SELECT_THREADS, fast), (SELECT_THREADS, 0), (THREADS, 2 * THREADS)] {
+        let cap = capacity(p2, threads).max(fast as usize / 2) as u32;
+        let wide = IndexerTopkParams { mode: 2, threads, cap, fast, ..p };
+        let mw = Module::parse(&wide.render().unwrap(), "indexer_topk.ptx").unwrap();
+        g.write(bo, 0, &vec![0u8; n_tok * c.topk * 4]);
+        launch(&mw, IndexerTopkParams::ENTRY, [n_tok as u32, 1, 1], [threads, 1, 1], wide.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+        let wide_got: Vec<i32> = g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let fast_rows = c.tokens.iter().filter(|t| t.0 >= 0 && t.1 as usize >= c.topk && (t.1 as u32) < fast).count();
+        assert!(wide_got == got, "top-{}: selecting with {threads} threads (FAST {fast}: {fast_rows} rows) differs from the fused kernel", c.topk);
+    }
     for t in 0..n_tok {
         let (a, b) = (&got[t * c.topk..(t + 1) * c.topk], &want[t * c.topk..(t + 1) * c.topk]);
         assert_eq!(a, b, "token {t} (seq {}, position {}), top-{}: emulator vs CPU", c.tokens[t].0, c.tokens[t].1, c.topk);
@@ -334,7 +345,7 @@ fn larger_topk_compacts_the_candidates_many_times() {
 fn near_ties_follow_the_cpu_rounding_exactly() {
     // Scores that differ only by the summation order's rounding (and exact ties between
     // permutations that happen to round alike): only the CPU's exact order selects the same
-    // positions in the same order.
+    // positions.
     let (page, pps) = (16, 32);
     let mut rng = Rng::new(16);
     let table = shuffled_tables(&mut rng, 1, pps, pps);
@@ -364,8 +375,13 @@ fn unassigned_pages_are_skipped() {
     let page = 16;
     let table = vec![vec![5, -1, 2, -1, 0], vec![1, 4, -1, -1, -1]];
     let tokens = vec![(0, 40), (0, 60), (0, 20), (1, 40), (1, 79), (1, 31)];
-    let c = Case { heads: 8, dim: 32, rope: 16, page, pages: 6, topk: 16, table, tokens, q_bf16: true, w_bf16: false, ties: vec![], zero_q: vec![], near_ties: false };
+    let c = Case { heads: 8, dim: 32, rope: 16, page, pages: 6, topk: 16, table: table.clone(), tokens, q_bf16: true, w_bf16: false, ties: vec![], zero_q: vec![], near_ties: false };
     run(&c, 40);
+    // top-40 where a row sees more positions than that but fewer are assigned (sequence 1 at
+    // 79: 80 positions, 32 with a page): every assigned one, then -1
+    let tokens = vec![(1, 79), (0, 79), (1, 45)];
+    let c = Case { heads: 8, dim: 32, rope: 16, page, pages: 6, topk: 40, table, tokens, q_bf16: true, w_bf16: false, ties: vec![], zero_q: vec![], near_ties: false };
+    run(&c, 41);
 }
 
 #[test]
@@ -411,7 +427,11 @@ fn tiny_and_glm5_instances_assemble_for_sm_120a() {
         p.koff = 512 + 64;
         p
     };
-    for (name, p) in [("tiny", params(8, 32, 16, 64, 16, 16, true, false)), ("tiny_f32", params(8, 32, 16, 64, 16, 16, false, true)), ("glm5_tp8", glm5(true)), ("glm5_tp8_f32q", glm5(false))] {
+    // decode's selection as lowering makes it: 1,024 threads, every key of up to FAST positions
+    // in shared memory (the block's limit)
+    let fast = fast_positions(SMEM_LIMIT);
+    let select = |p: IndexerTopkParams| IndexerTopkParams { mode: 2, threads: SELECT_THREADS, cap: capacity(p.p2 as usize, SELECT_THREADS).max(fast as usize / 2) as u32, fast, ..p };
+    for (name, p) in [("tiny", params(8, 32, 16, 64, 16, 16, true, false)), ("tiny_f32", params(8, 32, 16, 64, 16, 16, false, true)), ("glm5_tp8", glm5(true)), ("glm5_tp8_f32q", glm5(false)), ("glm5_tp8_select", select(glm5(true))), ("glm5_tp8_select_sm90", IndexerTopkParams { arch: 90, ..select(glm5(true)) })] {
         let (regs, spills, smem_static) = ptxas_resources(&ptxas, name, &p.render().unwrap());
         let dynamic = p.dynamic_smem().unwrap();
         eprintln!("indexer_topk {name}: {regs} registers, {spills} B spills, {smem_static} B static + {dynamic} B dynamic shared memory");

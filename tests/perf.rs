@@ -272,7 +272,7 @@ fn the_model_counts_every_launchs_bytes_as_the_emulator_does() {
     // every template kiln has, in both decode and prefill forms (but `add`: the micro model's
     // norms take one block per row and its MoE adds the shared experts in MoE down's store, so
     // the residual add, which an all-reduce launches after NCCL, is checked at GLM-5's shapes below)
-    for t in ["embed", "rmsnorm", "linear_bf16_gemv", "linear_nvfp4_gemv", "linear_bf16_gemm", "linear_nvfp4_gemm", "mla_kv_write", "indexer_key_write", "indexer_topk", "mla_attention", "router", "moe_gate_up", "moe_down", "gather_rows"] {
+    for t in ["embed", "rmsnorm", "linear_bf16_gemv", "linear_nvfp4_gemv", "linear_bf16_gemm", "linear_nvfp4_gemm", "kv_cache_write", "indexer_topk", "mla_attention", "router", "moe_gate_up", "moe_down", "gather_rows"] {
         assert!(seen.contains_key(t), "no launch of {t} was checked: {seen:?}");
     }
     for p in ["prefill_128", "prefill_32", "decode_4", "decode_1"] {
@@ -403,11 +403,13 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
     let plan = kiln_runtime::plan::read_plan(&dir.join("plan")).expect("plan");
     // (what, program, predicate on the step's first launch, real tokens, first position)
     type Pick = (&'static str, &'static str, fn(&Plan, &kiln_runtime::plan::Launch) -> bool, usize, u32);
-    let picks: [Pick; 13] = [
+    let picks: [Pick; 15] = [
         ("rmsnorm over column blocks", "decode_1", |pl, l| plan_template(pl, l) == "rmsnorm" && param(pl, l, "CB") > 1, 1, 300),
         ("the residual add an all-reduce launches after NCCL", "decode_8", |pl, l| plan_template(pl, l) == "add", 8, 300),
-        ("split-K BF16 GEMM", "decode_32", |pl, l| plan_template(pl, l) == "linear_bf16_gemm" && param(pl, l, "SPLIT") == 1 && param(pl, l, "N") == 32, 32, 300),
-        ("BF16 GEMM with K over blocks at batch 1", "decode_1", |pl, l| plan_template(pl, l) == "linear_bf16_gemm" && param(pl, l, "KS") > 1 && param(pl, l, "N") == 72, 1, 300),
+        ("split-K BF16 GEMM", "decode_32", |pl, l| plan_template(pl, l) == "linear_bf16_gemm" && param(pl, l, "SPLIT") == 1 && param(pl, l, "SEGS") == 1, 32, 300),
+        ("BF16 GEMM with K over blocks at batch 1", "decode_1", |pl, l| plan_template(pl, l) == "linear_bf16_gemm" && param(pl, l, "KS") > 1 && param(pl, l, "SEGS") == 1, 1, 300),
+        ("4 BF16 linears in one launch, one output F32", "decode_32", |pl, l| plan_template(pl, l) == "linear_bf16_gemm" && param(pl, l, "SEGS") == 4, 32, 300),
+        ("2 BF16 linears in one launch, K over blocks at batch 1", "decode_1", |pl, l| plan_template(pl, l) == "linear_bf16_gemm" && param(pl, l, "SEGS") == 2 && param(pl, l, "KS") > 1, 1, 300),
         ("NVFP4 SiLU GEMM with K over blocks at batch 1", "decode_1", |pl, l| plan_template(pl, l) == "linear_nvfp4_gemm" && param(pl, l, "SLICES") > 1 && param(pl, l, "SILU") == 1, 1, 300),
         ("split-K NVFP4 SiLU GEMM", "decode_32", |pl, l| plan_template(pl, l) == "linear_nvfp4_gemm" && param(pl, l, "SPLIT") == 1 && param(pl, l, "SILU") == 1, 32, 300),
         ("split-KV attention over 2048 selected of 3000", "decode_1", |pl, l| plan_template(pl, l) == "mla_split", 1, 2999),
@@ -497,8 +499,11 @@ fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
         // the 156 residual rmsnorms add the residual in a launch of its own before the norm
         // spreads over column blocks; and 75 fewer since MoE down's final store adds the shared
         // experts' output; and the 156 adds moved into the all-reduces before the norms (the
-        // P2P kernel adds; after NCCL the add is a launch of the collective step, costed with it)
-        assert_eq!(d["launches"], 1552 + 75 + 78 + 3 * 78 + 156 - 75 - 156, "{d}");
+        // P2P kernel adds; after NCCL the add is a launch of the collective step, costed with it);
+        // and 4 fewer per layer since decode's projections of the same activations share one
+        // (q_a, kv_a, wk and the head weights; q_b and wq_b), 1 fewer since both cache writes
+        // are one
+        assert_eq!(d["launches"], 1552 + 75 + 78 + 3 * 78 + 156 - 75 - 156 - 4 * 78 - 78, "{d}");
         // two all-reduces per layer, the embedding's and the logits' gather, and since the model
         // chose to split q_a with kv_a and the indexer's wq_b behind all-gathers, two gathers per
         // layer

@@ -155,7 +155,6 @@ impl<'a> Builder<'a> {
         self.linear(q_resid, &[format!("{p}.q_b_proj")], c.num_attention_heads * qk, c.q_lora_rank, kind, ShardRole::Rows, Epilogue::None, q)?;
 
         let kv_norm = self.param(&format!("{p}.kv_a_layernorm.weight"), DType::BF16, &[c.kv_lora_rank], WeightKind::Norm, ShardRole::Replicated, "kv_a_layernorm")?;
-        self.push(Op::MlaKvWrite { kv, norm: kv_norm, eps: c.latent_norm_eps, layer: l }, KernelFamily::MlaKvWrite);
 
         // DSA indexer (replicated on every rank: splitting its heads would need an all-reduce of
         // the [tokens x context] score matrix before top-k).
@@ -167,7 +166,9 @@ impl<'a> Builder<'a> {
         self.linear(x, &[format!("{ip}.wk")], c.index_head_dim, h, ikind, ShardRole::Replicated, Epilogue::None, ik)?;
         let k_norm = self.param(&format!("{ip}.k_norm.weight"), DType::BF16, &[c.index_head_dim], ikind, ShardRole::Replicated, "indexer k_norm")?;
         let k_bias = self.param(&format!("{ip}.k_norm.bias"), DType::BF16, &[c.index_head_dim], ikind, ShardRole::Replicated, "indexer k_norm")?;
-        self.push(Op::IndexerKeyWrite { k: ik, norm: k_norm, bias: k_bias, eps: c.index_norm_eps, layer: l }, KernelFamily::IndexerKeyWrite);
+        // both cache writes in one op, once both keys exist (one launch)
+        let write = Op::KvCacheWrite { kv, kv_norm, kv_eps: c.latent_norm_eps, k: ik, k_norm, k_bias, k_eps: c.index_norm_eps, layer: l };
+        self.push(write, KernelFamily::KvCacheWrite);
         let iw = self.tokens(format!("l{l}.index_w"), DType::F32, c.index_n_heads);
         let wp = format!("{ip}.weights_proj");
         if self.bind.ckpt.quant.is_nvfp4(&wp) {

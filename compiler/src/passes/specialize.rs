@@ -2,7 +2,8 @@
 //! every dimension fixed, so each program can be captured as one CUDA graph.
 
 use crate::graph::Graph;
-use kiln_runtime::plan::{attention_splits_cap, AttentionForm, BufId, Buffer, Dim, Op, Program, ProgramInputs, ProgramKind, Step};
+use crate::passes::lower::GROUP_MAX;
+use kiln_runtime::plan::{attention_splits_cap, AttentionForm, BufId, Buffer, Dim, Epilogue, GroupMember, LinearWeights, Op, Program, ProgramInputs, ProgramKind, Step};
 
 /// The concrete sizes of one bucket.
 #[derive(Debug, Clone, Copy)]
@@ -50,6 +51,48 @@ fn residual_adds_into_all_reduces(steps: &mut [Step]) {
     }
 }
 
+/// Decode: BF16 linears of the same activations become one `LinearGroup` (q_a, kv_a and the
+/// indexer's wk and head weights all read the normed hidden state; q_b and the indexer's wq_b
+/// read q_a), which lowering may compute in one launch instead of one each. A later linear joins
+/// the first (up to [`GROUP_MAX`]) when no step between them writes its input or reads or
+/// writes its output, so moving it up changes nothing another step sees.
+fn group_linears_sharing_input(steps: &mut Vec<Step>) {
+    let member = |op: &Op| match op {
+        Op::Linear { input, weights: LinearWeights::Bf16 { weight }, parts, k, epilogue: Epilogue::None, out } if parts.len() == 1 => {
+            Some((*input, *k, GroupMember { weight: *weight, rows: parts[0].rows, out: *out }))
+        }
+        _ => None,
+    };
+    let mut i = 0;
+    while i < steps.len() {
+        let Some((input, k, first)) = member(&steps[i].op) else {
+            i += 1;
+            continue;
+        };
+        let mut members = vec![first];
+        let mut j = i + 1;
+        while j < steps.len() && members.len() < GROUP_MAX {
+            if let Some((x, kk, g)) = member(&steps[j].op) {
+                let between = &steps[i + 1..j];
+                let untouched = between.iter().all(|s| !s.op.reads().contains(&g.out) && !s.op.writes().contains(&g.out));
+                if x == input && kk == k && untouched {
+                    members.push(g);
+                    steps.remove(j);
+                    continue;
+                }
+            }
+            if steps[j].op.writes().contains(&input) {
+                break;
+            }
+            j += 1;
+        }
+        if members.len() > 1 {
+            steps[i].op = Op::LinearGroup { input, k, members };
+        }
+        i += 1;
+    }
+}
+
 /// Instantiates the sharded graph for one bucket (buffer offsets are assigned by the memory pass).
 pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
     let size = |d: &Dim| match *d {
@@ -85,6 +128,7 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
         .collect();
     if decode {
         residual_adds_into_all_reduces(&mut steps);
+        group_linears_sharing_input(&mut steps);
     }
     let i = graph.inputs;
     let name = match bucket.kind {

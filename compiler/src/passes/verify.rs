@@ -70,6 +70,14 @@ fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -
         }
     };
     match op {
+        Op::LinearGroup { members, .. } => {
+            if members.is_empty() {
+                return Err("a linear group without members".into());
+            }
+            for m in op.group_members().unwrap_or_default() {
+                check_shapes(p, &m, slots, cfg)?;
+            }
+        }
         Op::Linear { input, weights, parts, k, epilogue, out } => {
             let n: usize = parts.iter().map(|p| p.rows).sum();
             if last(*input) != *k {
@@ -135,8 +143,10 @@ fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -
                 }
             }
         }
-        Op::MlaKvWrite { kv, .. } => expect("kv", shape(*kv), &[rows(*kv), cfg.kv_lora_rank + cfg.qk_rope_head_dim])?,
-        Op::IndexerKeyWrite { k, .. } => expect("k", shape(*k), &[rows(*k), cfg.index_head_dim])?,
+        Op::KvCacheWrite { kv, k, .. } => {
+            expect("kv", shape(*kv), &[rows(*kv), cfg.kv_lora_rank + cfg.qk_rope_head_dim])?;
+            expect("k", shape(*k), &[rows(*k), cfg.index_head_dim])?;
+        }
         Op::IndexerTopK { q, head_weights, out, topk, scores, .. } => {
             expect("q", shape(*q), &[rows(*q), cfg.index_n_heads * cfg.index_head_dim])?;
             expect("head weights", shape(*head_weights), &[rows(*q), cfg.index_n_heads])?;

@@ -24,8 +24,8 @@ pub(crate) fn key_write(k: &[f32], norm: &[f32], bias: &[f32], eps: f32, tokens:
 
 /// For each token: score every cached position `j <= pos` of its sequence with
 /// `sum_h (w[h] / sqrt(H)) * relu(q_h . k_j) / sqrt(D)` (q_h with RoPE on its first rope-dim
-/// values) and write the `min(topk, pos + 1)` best positions, best first (ties: lower position
-/// first), padded with -1. When every position fits, all are selected in order without scoring.
+/// values) and write the `min(topk, pos + 1)` best positions (ties: lower position first) in
+/// ascending order, padded with -1. When every position fits, all are selected without scoring.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn top_k(q: &[f32], w: &[f32], heads: usize, tokens: &Tokens, cache: &KvCache, layer: usize, rope: &Rope, topk: usize, out: &mut [i32]) {
     let d = cache.index_dim;
@@ -66,7 +66,8 @@ pub(crate) fn top_k(q: &[f32], w: &[f32], heads: usize, tokens: &Tokens, cache: 
                 if k < m {
                     scores.select_nth_unstable_by(k - 1, better);
                 }
-                scores[..k].sort_unstable_by(better);
+                // the k best, in position order (the order the cache is read in)
+                scores[..k].sort_unstable_by_key(|s| s.1);
                 for (o, s) in row.iter_mut().zip(&scores[..k]) {
                     *o = s.1 as i32;
                 }
@@ -119,8 +120,9 @@ mod tests {
         let tokens = Tokens { positions: &positions, token_seq: &token_seq, slots: &slots, page_table: &page_table, pages_per_seq: 2 };
         let mut out = [0i32; 3];
         top_k(&[0.0, 0.0, 1.0, 0.0], &[1.0], 1, &tokens, &cache, 0, &rope, 3, &mut out);
-        // scores: [0.5, 0, 2, 0.5, 2, 0.1] -> 2 (pos 2), 2 (pos 4), then 0.5 (pos 0 before pos 3).
-        assert_eq!(out, [2, 4, 0]);
+        // scores: [0.5, 0, 2, 0.5, 2, 0.1] -> 2 (pos 2), 2 (pos 4), then 0.5 (pos 0 before pos 3),
+        // listed in position order.
+        assert_eq!(out, [0, 2, 4]);
         // Short sequences select everything, in order.
         let positions = [1];
         let tokens = Tokens { positions: &positions, ..tokens };

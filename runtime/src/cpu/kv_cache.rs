@@ -122,7 +122,7 @@ impl KvCache {
     }
 }
 
-/// `Op::MlaKvWrite`: for every token with a slot, the RMS-normalised latent (rounded to the
+/// The MLA part of `Op::KvCacheWrite`: for every token with a slot, the RMS-normalised latent (rounded to the
 /// `kv` buffer's dtype by `inner`, as transformers normalises in the activation dtype) and the
 /// rope key rotated at the token's position, both rounded to the cache dtype.
 #[allow(clippy::too_many_arguments)]

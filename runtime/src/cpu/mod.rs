@@ -29,7 +29,7 @@ mod validate;
 use crate::bind::Arena;
 use crate::error::RuntimeError;
 use crate::numerics::{bytes_floats, round_bf16};
-use crate::plan::{AttentionForm, BufId, DType, LinearWeights, Op, Plan, Program, WeightId};
+use crate::plan::{AttentionForm, BufId, DType, Epilogue, LinearWeights, Op, Plan, Program, WeightId};
 use kv_cache::KvCache;
 use linear::{Linear, LinearScratch, Matrix};
 use moe::MoeScratch;
@@ -485,7 +485,7 @@ fn scratch_bound(plan: &Plan) -> (usize, usize) {
     for p in &plan.programs {
         for step in &p.steps {
             let need = match step.op {
-                Op::Linear { k, .. } => k,
+                Op::Linear { k, .. } | Op::LinearGroup { k, .. } => k,
                 Op::MoeExperts { hidden, intermediate, .. } => hidden.max(intermediate),
                 Op::MlaAttention { topk, .. } => {
                     let selected = topk.map_or(context, |b| width(p, b));
@@ -606,6 +606,16 @@ impl Rank {
         let round = |b: BufId| Round::for_dtype(p.buffer(b).dtype, cx.opts.precision);
         let take = |v: &mut Vec<Vec<f32>>, b: BufId| std::mem::take(&mut v[b.0 as usize]);
         match *op {
+            Op::LinearGroup { input, k, ref members } => {
+                // each member as its own Linear (no allocation: the decode loop allocates nothing)
+                for g in members {
+                    let mut o = take(&mut self.f, g.out);
+                    let rows = [g.rows];
+                    let lin = linear_of(plan, &self.arena, &self.small, &LinearWeights::Bf16 { weight: g.weight }, k, &rows);
+                    linear::linear(&self.f[input.0 as usize][..n(input)], tokens_of(p, input, k), &lin, cx.opts.act_quant, Epilogue::None, round(g.out), &mut self.lin, &mut o[..n(g.out)]);
+                    self.f[g.out.0 as usize] = o;
+                }
+            }
             Op::Embed { ids, table, vocab_rows, out } => {
                 let h = width(p, out);
                 let mut o = take(&mut self.f, out);
@@ -651,14 +661,11 @@ impl Rank {
                 linear::linear(&self.f[input.0 as usize][..n(input)], tokens_of(p, input, k), &lin, cx.opts.act_quant, epilogue, round(out), &mut self.lin, &mut o[..n(out)]);
                 self.f[out.0 as usize] = o;
             }
-            Op::MlaKvWrite { kv, norm: w, eps, layer } => {
+            Op::KvCacheWrite { kv, kv_norm, kv_eps, k, k_norm, k_bias, k_eps, layer } => {
                 let tk = tokens_in(&self.i, cx);
-                kv_cache::mla_write(&self.f[kv.0 as usize][..n(kv)], &self.small[w.0 as usize], eps, round(kv), &tk, &mut self.kv, layer, cx.rope);
-            }
-            Op::IndexerKeyWrite { k, norm: w, bias, eps, layer } => {
-                let tk = tokens_in(&self.i, cx);
-                let (w, b) = (&self.small[w.0 as usize], &self.small[bias.0 as usize]);
-                indexer::key_write(&self.f[k.0 as usize][..n(k)], w, b, eps, &tk, &mut self.kv, layer, cx.rope);
+                kv_cache::mla_write(&self.f[kv.0 as usize][..n(kv)], &self.small[kv_norm.0 as usize], kv_eps, round(kv), &tk, &mut self.kv, layer, cx.rope);
+                let (w, b) = (&self.small[k_norm.0 as usize], &self.small[k_bias.0 as usize]);
+                indexer::key_write(&self.f[k.0 as usize][..n(k)], w, b, k_eps, &tk, &mut self.kv, layer, cx.rope);
             }
             Op::IndexerTopK { q, head_weights, layer, topk, out, .. } => {
                 let mut o = std::mem::take(&mut self.i[out.0 as usize]);

@@ -110,14 +110,14 @@ impl Cache {
     }
 }
 
-/// `Op::MlaKvWrite`: `kv` rows `[latent | k_rope]`; `kv_bf16` is the kv buffer's dtype (the
+/// The MLA part of `Op::KvCacheWrite`: `kv` rows `[latent | k_rope]`; `kv_bf16` is the kv buffer's dtype (the
 /// normalised latent is rounded to it before the weight multiplies, as transformers does).
 #[allow(clippy::too_many_arguments)]
 pub fn mla_kv_write(kv: &[f32], kv_bf16: bool, norm: &[f32], eps: f32, t: &TokenInputs, cache: &mut Cache, layer: usize, rope: &Rope) {
     super::kv_cache::mla_write(kv, norm, eps, round(kv_bf16), &t.tokens(), &mut cache.kv, layer, rope);
 }
 
-/// `Op::IndexerKeyWrite`: `k` rows of `index_dim` values.
+/// The indexer key part of `Op::KvCacheWrite`: `k` rows of `index_dim` values.
 #[allow(clippy::too_many_arguments)]
 pub fn indexer_key_write(k: &[f32], norm: &[f32], bias: &[f32], eps: f32, t: &TokenInputs, cache: &mut Cache, layer: usize, rope: &Rope) {
     super::indexer::key_write(k, norm, bias, eps, &t.tokens(), &mut cache.kv, layer, rope);

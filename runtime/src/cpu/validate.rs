@@ -91,6 +91,12 @@ fn check_op(plan: &Plan, p: &Program, op: &Op) -> Result<(), String> {
     };
     let layer = |l: usize| if l < kv.layers { Ok(()) } else { Err(format!("layer {l} of a {}-layer cache", kv.layers)) };
     match *op {
+        Op::LinearGroup { ref members, .. } => {
+            if members.is_empty() {
+                return Err("a linear group without members".into());
+            }
+            op.group_members().unwrap_or_default().iter().try_for_each(|m| check_op(plan, p, m))
+        }
         Op::Embed { ids, table, vocab_rows, out } => {
             let h = width(p, out);
             int(ids, t)?;
@@ -122,16 +128,13 @@ fn check_op(plan: &Plan, p: &Program, op: &Op) -> Result<(), String> {
             float(out, rows * out_n)?;
             linear(weights, n, k, parts.len(), 1)
         }
-        Op::MlaKvWrite { kv: b, norm, layer: l, .. } => {
+        Op::KvCacheWrite { kv: b, kv_norm, k, k_norm, k_bias, layer: l, .. } => {
             layer(l)?;
             float(b, t * (kv.latent_dim + kv.rope_dim))?;
-            vector(norm, kv.latent_dim)
-        }
-        Op::IndexerKeyWrite { k, norm, bias, layer: l, .. } => {
-            layer(l)?;
+            vector(kv_norm, kv.latent_dim)?;
             float(k, t * kv.index_dim)?;
-            vector(norm, kv.index_dim)?;
-            vector(bias, kv.index_dim)
+            vector(k_norm, kv.index_dim)?;
+            vector(k_bias, kv.index_dim)
         }
         Op::IndexerTopK { q, head_weights, layer: l, topk, scores, out } => {
             layer(l)?;

@@ -194,7 +194,18 @@ pub fn launch_cost(plan: &Plan, step: &Step, li: usize, load: &Load) -> Result<C
             let (gx, gy) = (l.grid[0] as f64, l.grid[1] as f64);
             c.read(Class::Weights, n * kk * 2.0, gy);
             c.read(Class::Activations, m * kk * xs, gx);
-            c.write(m * n * p.size("OUT_BF16")?);
+            // SEGS > 1: each segment's columns in its output's dtype (bit s of OUT_BF16)
+            let segs = p.v("SEGS")? as usize;
+            if segs == 1 {
+                c.write(m * n * p.size("OUT_BF16")?);
+            } else {
+                let starts = [0.0, p.v("C1")?, p.v("C2")?, p.v("C3")?];
+                let mask = p.v("OUT_BF16")? as u32;
+                for s in 0..segs {
+                    let end = if s + 1 == segs { n } else { starts[s + 1] };
+                    c.write(m * (end - starts[s]) * if mask >> s & 1 == 1 { 2.0 } else { 4.0 });
+                }
+            }
             let ks = p.v("KS")?;
             if ks > 1.0 {
                 c.read(Class::Activations, ks * m * n * 4.0, 1.0);
@@ -240,23 +251,18 @@ pub fn launch_cost(plan: &Plan, step: &Step, li: usize, load: &Load) -> Result<C
             c.read(Class::Weights, e * p.size("BIAS_BF16")?, t);
             c.write(t * top * (4.0 + p.size("W_BF16")?));
         }
-        "mla_kv_write" | "indexer_key_write" => {
+        "kv_cache_write" => {
             let t = p.v("TOKENS")?;
-            // slot, token_seq and position, loaded by all 32 lanes of the token's warp
-            c.read(Class::Aux, 12.0 * t, 32.0);
-            let rope = p.v("ROPE")?;
-            c.read(Class::Aux, active * rope * 4.0, 1.0);
-            if k.template == "mla_kv_write" {
-                let latent = p.v("LATENT")?;
-                c.read(Class::Activations, active * (latent + rope) * p.size("X_BF16")?, 1.0);
-                c.read(Class::Weights, latent * p.size("W_BF16")?, active);
-                c.write(active * (latent + rope) * p.size("CACHE_BF16")?);
-            } else {
-                let d = p.v("D")?;
-                c.read(Class::Activations, active * d * p.size("X_BF16")?, 1.0);
-                c.read(Class::Weights, d * (p.size("W_BF16")? + p.size("B_BF16")?), active);
-                c.write(active * d * p.size("CACHE_BF16")?);
-            }
+            // slot, token_seq and position, loaded by all 32 lanes of each of the token's two
+            // warps (the MLA part, the indexer key), each of which loads its RoPE table row
+            c.read(Class::Aux, 12.0 * t, 64.0);
+            let (latent, rope, d) = (p.v("LATENT")?, p.v("ROPE")?, p.v("D")?);
+            c.read(Class::Aux, active * rope * 4.0, 2.0);
+            c.read(Class::Activations, active * (latent + rope) * p.size("X_BF16")?, 1.0);
+            c.read(Class::Weights, latent * p.size("W_BF16")?, active);
+            c.read(Class::Activations, active * d * p.size("K_BF16")?, 1.0);
+            c.read(Class::Weights, d * (p.size("KW_BF16")? + p.size("KB_BF16")?), active);
+            c.write(active * (latent + rope + d) * p.size("CACHE_BF16")?);
         }
         "indexer_topk" => indexer_topk(&p, l, load, &mut c)?,
         "mla_attention" => mla_attention(&p, l, load, &mut c)?,
@@ -279,8 +285,9 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
     let rows = l.grid[0] as f64;
     let tiles = l.grid[1] as f64;
     let threads = l.block[0] as f64;
-    // the token's token_seq and position: every thread loads them, in MODE 1 thread 0 per block
-    c.read(Class::Aux, 8.0 * rows, if mode == 1.0 { tiles } else { threads });
+    // the token's token_seq and position: every thread loads them, in MODE 1 and 2 thread 0
+    // per block
+    c.read(Class::Aux, 8.0 * rows, if mode == 0.0 { threads } else { tiles });
     let positions = load.tokens.sum(|n| if n > topk { n } else { 0.0 });
     if mode == 2.0 {
         c.write(rows * topk * 4.0);

@@ -26,14 +26,21 @@ pub enum Op {
         epilogue: Epilogue,
         out: BufId,
     },
-    /// MLA cache write: `kv` rows are `[latent (kv_lora_rank) | k_rope (rope dim)]`; the latent is
-    /// RMS-normalised, the rope key rotated at the token's position, both stored in the cache.
-    MlaKvWrite { kv: BufId, norm: WeightId, eps: f32, layer: usize },
-    /// Indexer key cache write: LayerNorm(weight, bias) of `k`, RoPE on its first rope-dim values.
-    IndexerKeyWrite { k: BufId, norm: WeightId, bias: WeightId, eps: f32, layer: usize },
+    /// Several BF16 linears of one input, `out_i = input @ W_i^T` (`[rows_i, k]` weights, no
+    /// epilogue): decode's projections of the same activations (q_a, kv_a and the indexer's wk
+    /// and head weights of the hidden state; q_b and the indexer's wq_b of q_a), which one launch
+    /// can compute side by side. Specialisation forms it from `Linear` steps; each member means
+    /// exactly its `Linear` ([`Op::group_members`]).
+    LinearGroup { input: BufId, k: usize, members: Vec<GroupMember> },
+    /// The layer's KV-cache writes of its tokens, into disjoint parts of each slot's row: the MLA
+    /// part from `kv` rows `[latent (kv_lora_rank) | k_rope (rope dim)]` (the latent
+    /// RMS-normalised with `kv_norm`, the rope key rotated at the token's position), and the
+    /// indexer key, LayerNorm(`k_norm`, `k_bias`) of `k` with RoPE on its first rope-dim values.
+    KvCacheWrite { kv: BufId, kv_norm: WeightId, kv_eps: f32, k: BufId, k_norm: WeightId, k_bias: WeightId, k_eps: f32, layer: usize },
     /// DSA lightning indexer: score every cached position `t <= pos` of the token's sequence with
     /// `sum_h w[h]/sqrt(H) * relu(q_h . k_t)/sqrt(d)` and keep the `topk` best (ties: lower position
-    /// first); unused slots are -1. `q` is pre-RoPE; RoPE is applied to its first rope-dim values.
+    /// first), listed in ascending position order; unused slots are -1. `q` is pre-RoPE; RoPE is
+    /// applied to its first rope-dim values.
     /// `scores` `[tokens, positions]` F32 is kernel scratch: decode programs score in one launch
     /// over many blocks and select in a second; it is empty in prefill programs (one launch).
     IndexerTopK { q: BufId, head_weights: BufId, layer: usize, topk: usize, scores: BufId, out: BufId },
@@ -95,6 +102,14 @@ pub enum Op {
     /// For each pair, concatenate each rank's `input` columns in rank order into `out` on every
     /// rank (row by row); several pairs share one collective.
     AllGather { pairs: Vec<GatherPair> },
+}
+
+/// One linear of an [`Op::LinearGroup`]: BF16 `weight` `[rows, k]` into `out` `[tokens, rows]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupMember {
+    pub weight: WeightId,
+    pub rows: usize,
+    pub out: BufId,
 }
 
 /// One buffer of an [`Op::AllGather`]: this rank's columns and the gathered rows.
@@ -159,9 +174,8 @@ impl Op {
         match self {
             Op::Embed { ids, .. } => vec![*ids],
             Op::RmsNorm { input, residual, .. } => std::iter::once(*input).chain(*residual).collect(),
-            Op::Linear { input, .. } => vec![*input],
-            Op::MlaKvWrite { kv, .. } => vec![*kv],
-            Op::IndexerKeyWrite { k, .. } => vec![*k],
+            Op::Linear { input, .. } | Op::LinearGroup { input, .. } => vec![*input],
+            Op::KvCacheWrite { kv, k, .. } => vec![*kv, *k],
             Op::IndexerTopK { q, head_weights, .. } => vec![*q, *head_weights],
             Op::MlaAttention { q, topk, .. } => std::iter::once(*q).chain(*topk).collect(),
             Op::Router { input, .. } => vec![*input],
@@ -181,19 +195,20 @@ impl Op {
             | Op::Add { out, .. }
             | Op::GatherRows { out, .. } => vec![*out],
             Op::AllGather { pairs } => pairs.iter().map(|g| g.out).collect(),
+            Op::LinearGroup { members, .. } => members.iter().map(|g| g.out).collect(),
             Op::RmsNorm { residual, out, .. } => std::iter::once(*out).chain(*residual).collect(),
             Op::MoeExperts { out, mid, acc, .. } => vec![*out, *mid, *acc],
             Op::Router { logits, ids, weights, .. } => vec![*logits, *ids, *weights],
             Op::IndexerTopK { scores, out, .. } => vec![*scores, *out],
             Op::MlaAttention { absorbed, partials, out, .. } => vec![*out, *absorbed, *partials],
             Op::AllReduce { buf, residual } => std::iter::once(*buf).chain(*residual).collect(),
-            Op::MlaKvWrite { .. } | Op::IndexerKeyWrite { .. } => vec![],
+            Op::KvCacheWrite { .. } => vec![],
         }
     }
 
     /// Whether the op writes the KV cache (its result is there, not in a buffer).
     pub fn writes_kv_cache(&self) -> bool {
-        matches!(self, Op::MlaKvWrite { .. } | Op::IndexerKeyWrite { .. })
+        matches!(self, Op::KvCacheWrite { .. })
     }
 
     /// Written buffers that are only kernel scratch: their contents are not a result of the op
@@ -220,13 +235,33 @@ impl Op {
             Op::Embed { table, .. } => vec![*table],
             Op::RmsNorm { weight, .. } => vec![*weight],
             Op::Linear { weights, .. } => weights.ids(),
-            Op::MlaKvWrite { norm, .. } => vec![*norm],
-            Op::IndexerKeyWrite { norm, bias, .. } => vec![*norm, *bias],
+            Op::LinearGroup { members, .. } => members.iter().map(|g| g.weight).collect(),
+            Op::KvCacheWrite { kv_norm, k_norm, k_bias, .. } => vec![*kv_norm, *k_norm, *k_bias],
             Op::MlaAttention { kv_b, .. } => vec![*kv_b],
             Op::Router { gate, bias, .. } => vec![*gate, *bias],
             Op::MoeExperts { gate_up, down, .. } => gate_up.ids().into_iter().chain(down.ids()).collect(),
             Op::IndexerTopK { .. } | Op::Add { .. } | Op::GatherRows { .. } | Op::AllReduce { .. } | Op::AllGather { .. } => vec![],
         }
+    }
+
+    /// The `Linear` each member of a `LinearGroup` stands for (None for other ops).
+    pub fn group_members(&self) -> Option<Vec<Op>> {
+        let Op::LinearGroup { input, k, members } = self else {
+            return None;
+        };
+        Some(
+            members
+                .iter()
+                .map(|g| Op::Linear {
+                    input: *input,
+                    weights: LinearWeights::Bf16 { weight: g.weight },
+                    parts: vec![LinearPart { rows: g.rows }],
+                    k: *k,
+                    epilogue: Epilogue::None,
+                    out: g.out,
+                })
+                .collect(),
+        )
     }
 
     /// Short name for reports.
@@ -235,8 +270,8 @@ impl Op {
             Op::Embed { .. } => "embed",
             Op::RmsNorm { .. } => "rmsnorm",
             Op::Linear { .. } => "linear",
-            Op::MlaKvWrite { .. } => "mla_kv_write",
-            Op::IndexerKeyWrite { .. } => "indexer_key_write",
+            Op::LinearGroup { .. } => "linear_group",
+            Op::KvCacheWrite { .. } => "kv_cache_write",
             Op::IndexerTopK { .. } => "indexer_topk",
             Op::MlaAttention { .. } => "mla_attention",
             Op::Router { .. } => "router",

@@ -13,7 +13,7 @@
 use super::{candidate_us, fits, float_flag, numel, of_grid, Cx, Instance, THREADS};
 use crate::kernels::{LinearBf16GemmArgs, LinearBf16GemmParams, LinearNvfp4GemmArgs, LinearNvfp4GemmParams, Ptr};
 use kiln_runtime::perf::Constants;
-use kiln_runtime::plan::{LinearWeights, Op, SplitKLayout};
+use kiln_runtime::plan::{Epilogue, LinearWeights, Op, SplitKLayout};
 
 /// Activation rows per block of both tiled GEMMs.
 pub const GEMM_BM: usize = 64;
@@ -85,26 +85,46 @@ fn ks_allowed(ks: u32, tiles: usize, steps: usize, sums: usize) -> bool {
 /// batch 1 shares its K over 48 blocks instead of one block per 8 rows.
 pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Constants) -> (Bf16Form, f64) {
     let tiled = Bf16Form { split: 0, mt: if x_bf16 && m > GEMM_BM { 4 } else { 2 }, nt: 1, ks: 1 };
+    let cost = bf16_cost(m, n, k, x_bf16, consts);
+    if m > BF16_SPLIT_MAX_M {
+        return (tiled, cost(&tiled));
+    }
+    let best = cheapest(bf16_split_forms(m, n, k).chain([tiled]), &cost).unwrap_or(tiled);
+    (best, cost(&best))
+}
+
+/// The cheapest split form of M x N x K (for a group's columns side by side, which has no
+/// tiled form) and its predicted µs; None past the split form's rows.
+pub fn bf16_split_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Constants) -> Option<(Bf16Form, f64)> {
+    let cost = bf16_cost(m, n, k, x_bf16, consts);
+    if m > BF16_SPLIT_MAX_M {
+        return None;
+    }
+    cheapest(bf16_split_forms(m, n, k), &cost).map(|f| (f, cost(&f)))
+}
+
+/// A BF16 form's predicted µs ([`candidate_us`]): the weights once per row block, the
+/// activations once per column block, the partial sums written and read once per slice.
+fn bf16_cost(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Constants) -> impl Fn(&Bf16Form) -> f64 + '_ {
     let x_bytes = if x_bf16 { 2 } else { 4 };
-    let cost = |f: &Bf16Form| {
+    move |f: &Bf16Form| {
         let (bm, bn) = if f.split == 1 { (16 * f.mt as usize, 8 * f.nt as usize) } else { (32 * f.mt as usize, GEMM_BN) };
         let (gx, gy) = (n.div_ceil(bn) as f64, m.div_ceil(bm) as f64);
         let partials = if f.ks > 1 { 2.0 * (f.ks as usize * m * n * 4) as f64 } else { 0.0 };
         candidate_us((n * k * 2) as f64 * gy, (m * k * x_bytes) as f64 * gx + partials, 0.0, gx * gy * f.ks as f64, consts)
-    };
-    if m > BF16_SPLIT_MAX_M {
-        return (tiled, cost(&tiled));
     }
-    // every split width with all rows in one block, then with 32 or 16 rows per block (a few
-    // weight rows at batch 64: more row blocks fill SMs that one block of 64 rows leaves idle)
+}
+
+/// Every split width with all rows in one block, then with 32 or 16 rows per block (a few
+/// weight rows at batch 64: more row blocks fill SMs that one block of 64 rows leaves idle),
+/// each with the K slices it may take.
+fn bf16_split_forms(m: usize, n: usize, k: usize) -> impl Iterator<Item = Bf16Form> {
     let all_rows = m.div_ceil(16) as u32;
-    let mts = [all_rows, 2, 1].into_iter().filter(|&mt| mt <= all_rows);
-    let candidates = mts.flat_map(|mt| [4, 2, 1].map(|nt| (mt, nt))).flat_map(|(mt, nt)| {
+    let mts = [all_rows, 2, 1].into_iter().filter(move |&mt| mt <= all_rows);
+    mts.flat_map(|mt| [4, 2, 1].map(|nt| (mt, nt))).flat_map(move |(mt, nt)| {
         let tiles = n.div_ceil(8 * nt as usize) * m.div_ceil(16 * mt as usize);
         KS_CANDIDATES.into_iter().filter(move |&ks| ks_allowed(ks, tiles, k.div_ceil(16), m * n)).map(move |ks| Bf16Form { split: 1, mt, nt, ks })
-    });
-    let best = cheapest(candidates.chain([tiled]), cost).unwrap_or(tiled);
-    (best, cost(&best))
+    })
 }
 
 /// The candidate of least `cost` (ties: the earlier).
@@ -175,7 +195,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             // Decode-sized M: split K over the warps of small blocks, enough of them to keep the
             // weights streaming. Else 128-row blocks halve the weight traffic of long prefills;
             // F32 activations (three BF16 planes) and short ones keep 64 rows.
-            let base = LinearBf16GemmParams { arch: cx.arch, m: u(m), n: u(n), k: u(k), split: 0, ks: 1, partials: 0, mt: 2, nt: 1, kb: BF16_KB, nbuf: 2, threads: THREADS, x_bf16, out_bf16 };
+            let base = LinearBf16GemmParams { arch: cx.arch, m: u(m), n: u(n), k: u(k), segs: 1, c1: 0, c2: 0, c3: 0, split: 0, ks: 1, partials: 0, mt: 2, nt: 1, kb: BF16_KB, nbuf: 2, threads: THREADS, x_bf16, out_bf16 };
             let (form, _) = bf16_gemm_form(m, n, k, x_bf16 == 1, &cx.consts);
             let partials = if form.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
             let (params, bm, bn) = if form.split == 1 {
@@ -189,7 +209,8 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             let grid = [u(n.div_ceil(bn)), u(m.div_ceil(bm)), params.ks];
             // one K slice per block needs no region: the output stands in for the ignored argument
             let splitk = if params.ks > 1 { Ptr::SplitKRegion } else { Ptr::Buffer(out) };
-            let args = LinearBf16GemmArgs { x: Ptr::Buffer(input), w: Ptr::Weight(weight), out: Ptr::Buffer(out), splitk };
+            let (w, o) = (Ptr::Weight(weight), Ptr::Buffer(out));
+            let args = LinearBf16GemmArgs { x: Ptr::Buffer(input), w, out: o, w1: w, w2: w, w3: w, out1: o, out2: o, out3: o, splitk };
             Ok(vec![of_grid(&params, grid, THREADS, args.launch_args())])
         }
         LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => {
@@ -255,6 +276,87 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             Ok(list)
         }
     }
+}
+
+/// The predicted µs of the form [`instances`] gives a linear (all its launches).
+pub(super) fn predicted_us(cx: &Cx, op: &Op) -> f64 {
+    let Op::Linear { input, ref weights, ref parts, k, epilogue, .. } = *op else {
+        return 0.0;
+    };
+    let p = cx.program;
+    let m = numel(p, input) / k.max(1);
+    let n: usize = parts.iter().map(|q| q.rows).sum();
+    let x_bf16 = p.buffer(input).dtype == kiln_runtime::plan::DType::BF16;
+    match weights {
+        LinearWeights::Bf16 { .. } => bf16_gemm_form(m, n, k, x_bf16, &cx.consts).1,
+        LinearWeights::Nvfp4 { .. } => {
+            let silu = epilogue == Epilogue::SiluMul;
+            let widest = parts.iter().map(|q| q.rows).max().unwrap_or(0);
+            let launches = if silu { 1.0 } else { parts.len() as f64 };
+            nvfp4_gemm_form(m, widest, k, silu, x_bf16, &cx.consts).1 * launches
+        }
+    }
+}
+
+/// The most linears one grouped launch takes (the template's segments).
+pub const GROUP_MAX: usize = 4;
+
+/// A `LinearGroup` as one launch of the BF16 GEMM's split form, its members' columns side by
+/// side (`SEGS`), and its predicted µs; None where the group cannot be one launch: more than
+/// [`GROUP_MAX`] members, prefill-sized M (no tiled form), or a member other than the last
+/// whose rows are not a multiple of 8 (an n8 tile would straddle two weights).
+pub(super) fn group_instance(cx: &Cx, op: &Op) -> Result<Option<(Instance, f64)>, String> {
+    let Op::LinearGroup { input, k, ref members } = *op else {
+        return Err("not a linear group".into());
+    };
+    let p = cx.program;
+    let m = numel(p, input) / k.max(1);
+    let n: usize = members.iter().map(|g| g.rows).sum();
+    let aligned = members.split_last().is_some_and(|(_, rest)| rest.iter().all(|g| g.rows % 8 == 0));
+    if !(2..=GROUP_MAX).contains(&members.len()) || !aligned || m == 0 || n == 0 || m.checked_mul(n.max(k)).is_none_or(|e| e > u32::MAX as usize) {
+        return Ok(None);
+    }
+    super::bf16_linear_shape(k, Epilogue::None, "GEMM")?;
+    let x_bf16 = float_flag(p.buffer(input).dtype, "the input")?;
+    let Some((form, us)) = bf16_split_form(m, n, k, x_bf16 == 1, &cx.consts) else {
+        return Ok(None);
+    };
+    let mut out_bf16 = 0;
+    let mut starts = [0u32; GROUP_MAX];
+    let mut col = 0;
+    for (s, g) in members.iter().enumerate() {
+        out_bf16 |= float_flag(p.buffer(g.out).dtype, "an output")? << s;
+        starts[s] = col as u32;
+        col += g.rows;
+    }
+    let u = |v: usize| v as u32;
+    let params = LinearBf16GemmParams {
+        arch: cx.arch,
+        m: u(m),
+        n: u(n),
+        k: u(k),
+        segs: u(members.len()),
+        c1: starts[1],
+        c2: starts[2],
+        c3: starts[3],
+        split: 1,
+        ks: form.ks,
+        partials: if form.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 },
+        mt: form.mt,
+        nt: form.nt,
+        kb: BF16_KB,
+        nbuf: 2,
+        threads: THREADS,
+        x_bf16,
+        out_bf16,
+    };
+    fits(params.dynamic_smem()? as usize, cx.smem_limit, "the grouped BF16 GEMM")?;
+    let w = |s: usize| Ptr::Weight(members.get(s).unwrap_or(&members[0]).weight);
+    let o = |s: usize| Ptr::Buffer(members.get(s).unwrap_or(&members[0]).out);
+    let splitk = if form.ks > 1 { Ptr::SplitKRegion } else { o(0) };
+    let args = LinearBf16GemmArgs { x: Ptr::Buffer(input), w: w(0), out: o(0), w1: w(1), w2: w(2), w3: w(3), out1: o(1), out2: o(2), out3: o(3), splitk };
+    let grid = [u(n.div_ceil(8 * form.nt as usize)), u(m.div_ceil(16 * form.mt as usize)), form.ks];
+    Ok(Some((of_grid(&params, grid, THREADS, args.launch_args()), us)))
 }
 
 #[cfg(test)]

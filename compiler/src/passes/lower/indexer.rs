@@ -3,8 +3,9 @@
 //! Prefill: one block per token scores and selects (`indexer_topk.ptx` MODE 0). Decode, where
 //! that leaves all but a few SMs idle (measured on an H200: 0.55 ms per layer at 8k context),
 //! scores in one launch of a block per (token, 64 positions) into the op's `scores` scratch
-//! (MODE 1) and selects in a second, one block per token (MODE 2). Scores are bit-identical to
-//! the CPU's either way, so the selected positions are exact. The two scales are computed here
+//! (MODE 1) and selects in a second, one block per token (MODE 2: up to `fast_positions` a radix
+//! select over every key in shared memory, no sort). Scores are bit-identical to the CPU's
+//! either way, so the selected positions are exact; they are written in ascending order. The two scales are computed here
 //! exactly as the CPU does.
 
 use super::{float_flag, fits, numel, of, of_grid, width, Cx, Instance, THREADS};
@@ -21,6 +22,14 @@ const SCORE_THREADS: u32 = 64;
 /// latency, one load and two barriers per tile of this many positions (an H200 took 48 µs for
 /// 7.9k positions with 256), so it takes the most a block may have.
 pub const SELECT_THREADS: u32 = 1024;
+
+/// Positions up to which decode's selection holds every key (4 bytes) in shared memory, with no
+/// candidates and no sort (`FAST`): a multiple of its threads, the most the block's shared
+/// memory takes (24,576 on sm_120a: contexts up to 24k).
+pub fn fast_positions(smem_limit: u32) -> u32 {
+    let keys = (smem_limit as usize).saturating_sub(STATIC_SMEM) / 4;
+    (keys.min(u16::MAX as usize) / SELECT_THREADS as usize * SELECT_THREADS as usize) as u32
+}
 
 /// Candidate buffer entries for a top-k of `p2` (its power of two) in blocks of `threads`: room
 /// for the `topk` kept plus at least one tile of `threads` new candidates (and at least `p2` of
@@ -53,7 +62,9 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     }
     let p2 = topk.next_power_of_two();
     let cap = candidate_capacity(p2, THREADS);
-    let select_cap = candidate_capacity(p2, SELECT_THREADS);
+    // decode's selection keeps every key of up to `fast` positions in its candidate buffer
+    let fast = fast_positions(cx.smem_limit);
+    let select_cap = candidate_capacity(p2, SELECT_THREADS).max(fast as usize / 2);
     let what = format!("an indexer top-{topk} over {heads} x {dim}");
     // the fused (and prefill) launch: candidates, q and weights; decode's selection: candidates
     fits(cap * 8 + heads * dim * 4 + heads * 4 + STATIC_SMEM, cx.smem_limit, &what)?;
@@ -74,6 +85,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         q_bf16: float_flag(p.buffer(q).dtype, "the indexer q")?,
         w_bf16: float_flag(p.buffer(head_weights).dtype, "the head weights")?,
         mode: 0,
+        fast: 0,
     };
     let inputs = &p.inputs;
     let args = IndexerTopkArgs {
@@ -104,7 +116,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let per_token = (2 * cx.consts.sms as usize).div_ceil(tokens).clamp(1, tiles) as u32;
     let score = IndexerTopkParams { mode: 1, threads: score_threads, ..params };
     // The selection's result is the exact top-k in key order whatever the block size.
-    let select = IndexerTopkParams { mode: 2, threads: SELECT_THREADS, cap: select_cap as u32, ..params };
+    let select = IndexerTopkParams { mode: 2, threads: SELECT_THREADS, cap: select_cap as u32, fast, ..params };
     Ok(vec![
         of_grid(&score, [tokens as u32, per_token, 1], score_threads, args.launch_args()),
         of_grid(&select, [tokens as u32, 1, 1], SELECT_THREADS, args.launch_args()),

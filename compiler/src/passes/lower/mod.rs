@@ -19,8 +19,8 @@ mod norm;
 mod router;
 
 pub use collective::{P2P_GATHER_PAIRS, P2P_SPINS};
-pub use gemm::{bf16_gemm_form, nvfp4_gemm_form, Bf16Form};
-pub use indexer::SELECT_THREADS;
+pub use gemm::{bf16_gemm_form, nvfp4_gemm_form, Bf16Form, GROUP_MAX};
+pub use indexer::{fast_positions, SELECT_THREADS};
 pub use moe::{down_cols, gate_up_cols};
 
 use crate::kernels::{AddArgs, AddParams, EmbedArgs, EmbedParams, GatherRowsArgs, GatherRowsParams, LinearBf16GemvArgs, LinearBf16GemvParams, LinearNvfp4GemvArgs, LinearNvfp4GemvParams, KernelParams, Ptr};
@@ -314,29 +314,53 @@ pub(crate) fn fits(bytes: usize, limit: u32, what: &str) -> Result<(), String> {
 /// The launches of one step, in order, or why it has none.
 fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     match op {
-        Op::MlaKvWrite { .. } | Op::IndexerKeyWrite { .. } => cache::instances(cx, op),
+        Op::KvCacheWrite { .. } => cache::instances(cx, op),
         Op::IndexerTopK { .. } => indexer::instances(cx, op),
         Op::MlaAttention { .. } => attention::instances(cx, op),
         Op::AllReduce { .. } | Op::AllGather { .. } => collective::instances(cx, op),
         Op::RmsNorm { .. } => norm::instances(cx, op),
         Op::MoeExperts { .. } => moe::instances(cx, op),
         Op::Router { .. } => router::instances(cx, op),
-        Op::Linear { .. } => {
-            let gemv = gemv(cx, op);
-            // the GEMM's split form with K over blocks where the byte model prices it below the GEMV
-            if let Ok((_, gemv_us)) = gemv {
-                if split_k_us(cx, op).is_some_and(|us| us < gemv_us) {
-                    if let Ok(list) = gemm::instances(cx, op) {
-                        return Ok(list);
-                    }
-                }
-            }
-            match gemv {
-                Ok((i, _)) => Ok(vec![i]),
-                Err(gemv) => gemm::instances(cx, op).map_err(|gemm| format!("GEMV: {gemv}; GEMM: {gemm}")),
+        Op::Linear { .. } => linear(cx, op).map(|(list, _)| list),
+        Op::LinearGroup { .. } => linear_group(cx, op),
+        _ => instance(cx, op).map(|i| vec![i]),
+    }
+}
+
+/// A linear's launches and their predicted µs: the GEMV, or the GEMM's split form with K over
+/// blocks where the byte model prices it below the GEMV, or the GEMM.
+fn linear(cx: &Cx, op: &Op) -> Result<(Vec<Instance>, f64), String> {
+    let gemv = gemv(cx, op);
+    if let Ok((_, gemv_us)) = gemv {
+        if let Some(us) = split_k_us(cx, op).filter(|&us| us < gemv_us) {
+            if let Ok(list) = gemm::instances(cx, op) {
+                return Ok((list, us));
             }
         }
-        _ => instance(cx, op).map(|i| vec![i]),
+    }
+    match gemv {
+        Ok((i, us)) => Ok((vec![i], us)),
+        Err(gemv) => match gemm::instances(cx, op) {
+            Ok(list) => Ok((list, gemm::predicted_us(cx, op))),
+            Err(gemm) => Err(format!("GEMV: {gemv}; GEMM: {gemm}")),
+        },
+    }
+}
+
+/// A `LinearGroup`: one launch of its members side by side where the byte model prices it below
+/// the members' own launches (each a launch cost of its own), else those launches in order.
+fn linear_group(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
+    let members = op.group_members().ok_or("not a linear group")?;
+    let mut each = Vec::new();
+    let mut each_us = 0.0;
+    for m in &members {
+        let (list, us) = linear(cx, m)?;
+        each.extend(list);
+        each_us += us;
+    }
+    match gemm::group_instance(cx, op)? {
+        Some((one, us)) if us < each_us => Ok(vec![one]),
+        _ => Ok(each),
     }
 }
 
