@@ -155,3 +155,53 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
         workspace_bytes: 0,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::group_linears_sharing_input;
+    use crate::passes::lower::GROUP_MAX;
+    use kiln_runtime::plan::{BufId, Epilogue, KernelFamily, LinearPart, LinearWeights, Op, Step, WeightId};
+
+    fn linear(input: u32, out: u32, k: usize, epilogue: Epilogue) -> Step {
+        let weights = LinearWeights::Bf16 { weight: WeightId(out) };
+        let op = Op::Linear { input: BufId(input), weights, parts: vec![LinearPart { rows: 8 }], k, epilogue, out: BufId(out) };
+        Step { op, kernel: KernelFamily::LinearBf16, launches: vec![] }
+    }
+
+    fn add(a: u32, b: u32, out: u32) -> Step {
+        Step { op: Op::Add { a: BufId(a), b: BufId(b), out: BufId(out) }, kernel: KernelFamily::Add, launches: vec![] }
+    }
+
+    /// The members' outputs of the group at `at`, or None where it is not a group.
+    fn group(steps: &[Step], at: usize) -> Option<Vec<u32>> {
+        match &steps[at].op {
+            Op::LinearGroup { members, .. } => Some(members.iter().map(|g| g.out.0).collect()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn linears_of_one_input_join_only_where_moving_them_changes_nothing() {
+        let plain = |input, out| linear(input, out, 16, Epilogue::None);
+        // buffer 0 is the shared input; a step between that touches neither lets the later one up
+        let mut s = vec![plain(0, 1), add(5, 6, 7), plain(0, 2)];
+        group_linears_sharing_input(&mut s);
+        assert_eq!((group(&s, 0), s.len()), (Some(vec![1, 2]), 2));
+        // a step between that reads the later linear's output (an older value) keeps it in place
+        let mut s = vec![plain(0, 1), add(2, 6, 7), plain(0, 2)];
+        group_linears_sharing_input(&mut s);
+        assert_eq!((group(&s, 0), s.len()), (None, 3));
+        // ... and one that writes the shared input
+        let mut s = vec![plain(0, 1), add(5, 6, 0), plain(0, 2)];
+        group_linears_sharing_input(&mut s);
+        assert_eq!((group(&s, 0), s.len()), (None, 3));
+        // another K, an epilogue, another input: never members; at most GROUP_MAX members
+        let mut s = vec![plain(0, 1), linear(0, 2, 32, Epilogue::None), linear(0, 3, 16, Epilogue::SiluMul), plain(9, 4)];
+        s.extend((10..10 + GROUP_MAX as u32).map(|o| plain(0, o)));
+        group_linears_sharing_input(&mut s);
+        let want: Vec<u32> = std::iter::once(1).chain(10..10 + GROUP_MAX as u32 - 1).collect();
+        assert_eq!(group(&s, 0), Some(want));
+        assert!(s[1..4].iter().all(|st| matches!(st.op, Op::Linear { .. })), "the non-members stay where they were");
+        assert_eq!(s.len(), 5, "the last linear stays a linear of its own");
+    }
+}

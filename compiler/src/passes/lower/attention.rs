@@ -9,7 +9,8 @@
 //! (`mla_attention` MODE 1, all heads of a block sharing every latent row), the splits combined
 //! (`mla_split` MODE 1), and the output projection (`mla_split` MODE 2).
 
-use super::{fits, float_flag, numel, of_grid, width, Cx, Instance, THREADS};
+use super::{candidate_us, fits, float_flag, numel, of_grid, width, Cx, Instance, THREADS};
+use kiln_runtime::perf::Constants;
 use crate::kernels::{MlaAttentionArgs, MlaAttentionParams, MlaSplitArgs, MlaSplitParams, Ptr};
 use kiln_runtime::plan::{DType, Op};
 
@@ -95,11 +96,18 @@ fn split_threads(per_split: usize) -> u32 {
     (32 * per_split.div_ceil(MIN_SPLIT).clamp(2, 8)) as u32
 }
 
-/// W_UV rows per warp of the output launch: more at larger batches, where every block reads each
-/// token's context once.
-fn rows_per_warp(tokens: usize, v: usize) -> usize {
-    let want = if tokens <= 4 { 1 } else if tokens <= 16 { 2 } else { 4 };
-    [want, 2, 1].into_iter().find(|r| *r <= want && v % (8 * r) == 0).unwrap_or(1)
+/// W_UV rows per warp of the output launch (`heads * v / (8 * rows)` blocks), as the byte model
+/// prefers ([`candidate_us`]): every block reads its rows of W_UV once and each token's context of
+/// its head once, so more rows per warp re-read the contexts less but leave SMs idle (batch 1:
+/// 1 row, 256 blocks; batch 64: 2 rows, 128 blocks, where 4 rows left 124 SMs idle). Ties: more
+/// rows.
+fn rows_per_warp(tokens: usize, heads: usize, v: usize, latent: usize, out_size: usize, k: &Constants) -> usize {
+    let cost = |r: usize| {
+        let (blocks, per_head) = (heads * v / (8 * r), v / (8 * r));
+        let ctx = tokens * heads * latent * 4 * per_head + tokens * heads * v * out_size;
+        candidate_us((heads * v * latent * 2) as f64, ctx as f64, (2 * tokens * heads * v * latent) as f64, blocks as f64, k)
+    };
+    [4usize, 2, 1].into_iter().filter(|r| v % (8 * r) == 0).map(|r| (r, cost(r))).fold((1, f64::MAX), |best, c| if c.1 < best.1 { c } else { best }).0
 }
 
 pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
@@ -244,7 +252,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         out_bf16,
     };
     let args = MlaSplitArgs { q: Ptr::Buffer(q), kv_b: Ptr::Weight(kv_b), absorbed: Ptr::Buffer(absorbed), partials: Ptr::Buffer(partials), out: Ptr::Buffer(out) }.launch_args();
-    let rpw = rows_per_warp(tokens, v);
+    let rpw = rows_per_warp(tokens, heads, v, latent, if out_bf16 == 1 { 2 } else { 4 }, &cx.consts);
     let (absorb, combine, output) = (helper(0, 1), helper(1, 1), helper(2, rpw));
     fits(absorb.dynamic_smem()? as usize, cx.smem_limit, "the MLA absorb launch")?;
     Ok(vec![
