@@ -189,6 +189,8 @@ struct Case {
     w_bf16: bool,
     /// the indexer key's LayerNorm bias
     b_bf16: bool,
+    /// k and its LayerNorm weight in the other dtype than kv and the latent's weight
+    mixed: bool,
 }
 
 /// Global traffic of a launch: it writes exactly the owned values and reads, per token and
@@ -214,8 +216,9 @@ fn run(c: &Case, seed: u64) {
     let x = randn(&mut rng, c.tokens * w_, 0.0, 1.5, c.x_bf16);
     let norm = randn(&mut rng, g.latent, 1.0, 0.3, c.w_bf16);
     // an offset mean, so the centring matters
-    let k = randn(&mut rng, c.tokens * d, 0.7, 2.0, c.x_bf16);
-    let k_norm = randn(&mut rng, d, 1.0, 0.3, c.w_bf16);
+    let (k_bf16, kw_bf16) = (c.x_bf16 != c.mixed, c.w_bf16 != c.mixed);
+    let k = randn(&mut rng, c.tokens * d, 0.7, 2.0, k_bf16);
+    let k_norm = randn(&mut rng, d, 1.0, 0.3, kw_bf16);
     let k_bias = randn(&mut rng, d, 0.0, 0.2, c.b_bf16);
     let rope = Rope::new(g.rope, 10000.0);
     let table = rope.table(g.max_context);
@@ -239,8 +242,8 @@ fn run(c: &Case, seed: u64) {
         threads,
         x_bf16: c.x_bf16 as u32,
         w_bf16: c.w_bf16 as u32,
-        k_bf16: c.x_bf16 as u32,
-        kw_bf16: c.w_bf16 as u32,
+        k_bf16: k_bf16 as u32,
+        kw_bf16: kw_bf16 as u32,
         kb_bf16: c.b_bf16 as u32,
         cache_bf16: g.cache_bf16 as u32,
     };
@@ -249,8 +252,8 @@ fn run(c: &Case, seed: u64) {
     let bufs = [
         m.alloc_bytes("kv", &bytes(&x, c.x_bf16)),
         m.alloc_bytes("norm", &bytes(&norm, c.w_bf16)),
-        m.alloc_bytes("k", &bytes(&k, c.x_bf16)),
-        m.alloc_bytes("k_norm", &bytes(&k_norm, c.w_bf16)),
+        m.alloc_bytes("k", &bytes(&k, k_bf16)),
+        m.alloc_bytes("k_norm", &bytes(&k_norm, kw_bf16)),
         m.alloc_bytes("k_bias", &bytes(&k_bias, c.b_bf16)),
         m.alloc_bytes("positions", &i32_bytes(&batch.positions)),
         m.alloc_bytes("token_seq", &i32_bytes(&batch.token_seq)),
@@ -265,12 +268,12 @@ fn run(c: &Case, seed: u64) {
     let got = m.read(bufs[8]);
 
     let written = batch.written();
-    let what = format!("kv_cache_write T={} latent={} rope={} d={d} x_bf16={} cache_bf16={}", c.tokens, g.latent, g.rope, c.x_bf16, g.cache_bf16);
+    let what = format!("kv_cache_write T={} latent={} rope={} d={d} x_bf16={} mixed={} cache_bf16={}", c.tokens, g.latent, g.rope, c.x_bf16, c.mixed, g.cache_bf16);
     // the latent and the index key within tolerance, the rope key bit-exact, everything else untouched
     check_layer(&what, &g, &got, &want, &written, &[0..g.latent, w_..g.row()], true);
     let size = |bf16: bool| if bf16 { 2 } else { 4 };
-    let (xs, ws, bs) = (size(c.x_bf16), size(c.w_bf16), size(c.b_bf16));
-    check_traffic(&what, &stats, c.tokens, written.len(), (w_ + d) * xs, g.latent * ws + d * (ws + bs), g.rope * 4, written.len() * g.row() * g.esize());
+    let (xs, ws, bs, ks, kws) = (size(c.x_bf16), size(c.w_bf16), size(c.b_bf16), size(k_bf16), size(kw_bf16));
+    check_traffic(&what, &stats, c.tokens, written.len(), w_ * xs + d * ks, g.latent * ws + d * (kws + bs), g.rope * 4, written.len() * g.row() * g.esize());
 }
 
 /// Ragged geometries: pair counts that leave the last group of 32 lanes partly idle, rope pairs
@@ -283,17 +286,20 @@ fn ragged() -> Geo {
 fn cache_writes_match_the_cpu() {
     let tiny = Geo::tiny();
     let cases = [
-        Case { geo: tiny, tokens: 1, x_bf16: true, w_bf16: true, b_bf16: true },
-        Case { geo: tiny, tokens: 3, x_bf16: true, w_bf16: true, b_bf16: true },
-        Case { geo: tiny, tokens: 17, x_bf16: true, w_bf16: true, b_bf16: false },
-        Case { geo: tiny, tokens: 17, x_bf16: false, w_bf16: false, b_bf16: false },
+        Case { geo: tiny, tokens: 1, x_bf16: true, w_bf16: true, b_bf16: true, mixed: false },
+        Case { geo: tiny, tokens: 3, x_bf16: true, w_bf16: true, b_bf16: true, mixed: false },
+        Case { geo: tiny, tokens: 17, x_bf16: true, w_bf16: true, b_bf16: false, mixed: false },
+        Case { geo: tiny, tokens: 17, x_bf16: false, w_bf16: false, b_bf16: false, mixed: false },
         // latent 100 pairs and index key 69 pairs: groups of 32 lanes partly idle; rope 3 pairs
-        Case { geo: ragged(), tokens: 17, x_bf16: true, w_bf16: true, b_bf16: false },
-        Case { geo: Geo { cache_bf16: false, ..ragged() }, tokens: 3, x_bf16: false, w_bf16: true, b_bf16: true },
+        Case { geo: ragged(), tokens: 17, x_bf16: true, w_bf16: true, b_bf16: false, mixed: false },
+        Case { geo: Geo { cache_bf16: false, ..ragged() }, tokens: 3, x_bf16: false, w_bf16: true, b_bf16: true, mixed: false },
         // rope pairs spanning more than one group of lanes (rope 80 = 40 pairs of a 96-value key)
-        Case { geo: Geo { latent: 16, rope: 80, index: 96, page_size: 8, pages: 12, pages_per_seq: 4, max_context: 40, cache_bf16: true }, tokens: 17, x_bf16: true, w_bf16: true, b_bf16: true },
+        Case { geo: Geo { latent: 16, rope: 80, index: 96, page_size: 8, pages: 12, pages_per_seq: 4, max_context: 40, cache_bf16: true }, tokens: 17, x_bf16: true, w_bf16: true, b_bf16: true, mixed: false },
+        // k and its norm weight in the other dtype than kv and the latent's weight, both ways
+        Case { geo: tiny, tokens: 3, x_bf16: true, w_bf16: false, b_bf16: true, mixed: true },
+        Case { geo: ragged(), tokens: 17, x_bf16: false, w_bf16: true, b_bf16: false, mixed: true },
         // GLM-5's row (latent 512, rope 64, index 128), a few tokens
-        Case { geo: Geo { latent: 512, rope: 64, index: 128, page_size: 64, pages: 6, pages_per_seq: 2, max_context: 128, cache_bf16: true }, tokens: 3, x_bf16: true, w_bf16: true, b_bf16: true },
+        Case { geo: Geo { latent: 512, rope: 64, index: 128, page_size: 64, pages: 6, pages_per_seq: 2, max_context: 128, cache_bf16: true }, tokens: 3, x_bf16: true, w_bf16: true, b_bf16: true, mixed: false },
     ];
     for (i, c) in cases.iter().enumerate() {
         run(c, 1000 + i as u64);

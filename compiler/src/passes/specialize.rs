@@ -72,10 +72,10 @@ fn group_linears_sharing_input(steps: &mut Vec<Step>) {
         let mut members = vec![first];
         let mut j = i + 1;
         while j < steps.len() && members.len() < GROUP_MAX {
-            if let Some((x, kk, g)) = member(&steps[j].op) {
+            // (the input and K first: the scan over the steps between is for members only)
+            if let Some((_, _, g)) = member(&steps[j].op).filter(|(x, kk, _)| *x == input && *kk == k) {
                 let between = &steps[i + 1..j];
-                let untouched = between.iter().all(|s| !s.op.reads().contains(&g.out) && !s.op.writes().contains(&g.out));
-                if x == input && kk == k && untouched {
+                if between.iter().all(|s| !s.op.reads().contains(&g.out) && !s.op.writes().contains(&g.out)) {
                     members.push(g);
                     steps.remove(j);
                     continue;

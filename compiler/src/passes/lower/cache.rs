@@ -1,7 +1,7 @@
 //! KV-cache writes: `Op::KvCacheWrite` (RMSNorm of the latent and RoPE of the rope key; LayerNorm
 //! and RoPE of the indexer key) into the GPU cache layout of `KvLayout`, one launch. One warp per
 //! token and part: a row (at most a few hundred values) lives in its lanes' registers, so there
-//! is no shared memory and no block-wide barrier; a decode batch gets one block of just as many
+//! is no shared memory and no block-wide barrier; a small batch gets one block of just as many
 //! warps as it needs.
 
 use super::{float_flag, numel, of_grid, width, Cx, Instance, THREADS};

@@ -115,7 +115,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let tiles = positions.div_ceil(score_threads as usize);
     let per_token = (2 * cx.consts.sms as usize).div_ceil(tokens).clamp(1, tiles) as u32;
     let score = IndexerTopkParams { mode: 1, threads: score_threads, ..params };
-    // The selection's result is the exact top-k in key order whatever the block size.
+    // The selection's result is the exact top-k in ascending position order whatever the block size.
     let select = IndexerTopkParams { mode: 2, threads: SELECT_THREADS, cap: select_cap as u32, fast, ..params };
     Ok(vec![
         of_grid(&score, [tokens as u32, per_token, 1], score_threads, args.launch_args()),

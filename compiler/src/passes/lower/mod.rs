@@ -348,7 +348,8 @@ fn linear(cx: &Cx, op: &Op) -> Result<(Vec<Instance>, f64), String> {
 }
 
 /// A `LinearGroup`: one launch of its members side by side where the byte model prices it below
-/// the members' own launches (each a launch cost of its own), else those launches in order.
+/// the members' own launches (each a launch cost of its own), else those launches in order (also
+/// where the one launch cannot be made: the members' own launches are the complete fallback).
 fn linear_group(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let members = op.group_members().ok_or("not a linear group")?;
     let mut each = Vec::new();
@@ -358,8 +359,8 @@ fn linear_group(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         each.extend(list);
         each_us += us;
     }
-    match gemm::group_instance(cx, op)? {
-        Some((one, us)) if us < each_us => Ok(vec![one]),
+    match gemm::group_instance(cx, op) {
+        Ok(Some((one, us))) if us < each_us => Ok(vec![one]),
         _ => Ok(each),
     }
 }
