@@ -13,7 +13,7 @@
 
 use crate::emu::{self, GlobalMemory, KernelArg, Module};
 use crate::numerics::{bytes_floats, float_bytes};
-use crate::plan::{BufId, DType, Launch, LaunchArg, Op, Plan, Program, WeightId};
+use crate::plan::{BufId, DType, KvLayout, Launch, LaunchArg, Op, Plan, Program, WeightId};
 
 
 /// The values of one buffer (float buffers as f32, I32 buffers as i32).
@@ -241,7 +241,7 @@ pub fn emulate(plan: &Plan, program: &Program, launches: &[Launch], modules: &[&
 pub fn bf16_roundings(program: &Program, op: &Op) -> i32 {
     match *op {
         Op::RmsNorm { input, residual, .. } if program.buffer(residual.unwrap_or(input)).dtype == DType::BF16 => 2,
-        // the latent (the index key rounds once: one ulp more room than it needs)
+        // its latent ([`compare_cache_write`] holds the index key, rounded once, to one)
         Op::KvCacheWrite { kv, .. } if program.buffer(kv).dtype == DType::BF16 => 2,
         _ => 1,
     }
@@ -251,6 +251,28 @@ pub fn bf16_roundings(program: &Program, op: &Op) -> i32 {
 /// op that rounds `roundings` times.
 pub fn compare_cache(dtype: DType, roundings: i32, emu: &[u8], cpu: &[u8]) -> Comparison {
     compare_rounded(dtype, roundings, &decode(dtype, emu), &decode(dtype, cpu))
+}
+
+/// Compares a KV-cache layer after `op` (a cache write) as [`compare_cache`] does, each row's MLA
+/// part (latent, rope key) under the op's [`bf16_roundings`] and its indexer key under one.
+pub fn compare_cache_write(program: &Program, op: &Op, kv: &KvLayout, emu: &[u8], cpu: &[u8]) -> Comparison {
+    let split = |bytes: &[u8]| -> (Vec<f32>, Vec<f32>) {
+        let Values::F32(v) = decode(kv.dtype, bytes) else { return (Vec::new(), Vec::new()) };
+        let mla = kv.latent_dim + kv.rope_dim;
+        let (mut a, mut b) = (Vec::with_capacity(v.len()), Vec::with_capacity(v.len()));
+        for row in v.chunks(kv.row_elems().max(1)) {
+            a.extend_from_slice(&row[..mla.min(row.len())]);
+            b.extend_from_slice(&row[mla.min(row.len())..]);
+        }
+        (a, b)
+    };
+    if emu.len() != cpu.len() {
+        return Comparison { beyond: 1, ..Default::default() };
+    }
+    let ((ea, eb), (ca, cb)) = (split(emu), split(cpu));
+    let mut c = compare_rounded(kv.dtype, bf16_roundings(program, op), &Values::F32(ea), &Values::F32(ca));
+    c.merge(&compare_rounded(kv.dtype, 1, &Values::F32(eb), &Values::F32(cb)));
+    c
 }
 
 /// Compares an emulated output with the CPU's, under the tolerance for its dtype (one rounding).

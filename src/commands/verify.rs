@@ -4,7 +4,7 @@ use kiln_runtime::cuda::step::StepRunner;
 use kiln_runtime::emu::Module;
 use kiln_runtime::plan::{BufId, DType, KernelFamily, LaunchArg, Op, Plan, ProgramKind};
 use kiln_runtime::session::{LogitRows, Session, SessionOptions};
-use kiln_runtime::verify::{bf16_roundings, compare_cache, compare_outputs, emulate, Comparison, StepInputs, Values};
+use kiln_runtime::verify::{compare_cache_write, compare_outputs, emulate, Comparison, StepInputs, Values};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -239,7 +239,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 if step.op.writes_kv_cache() {
                     for (l, bytes) in &out.kv {
                         let cpu = rec.kv_after.iter().find(|(x, _)| x == l).map(|(_, v)| v.as_slice()).unwrap_or(&[]);
-                        c.merge(&compare_cache(plan.memory.kv.dtype, bf16_roundings(p, &step.op), bytes, cpu));
+                        c.merge(&compare_cache_write(p, &step.op, &plan.memory.kv, bytes, cpu));
                     }
                 }
                 cmp.merge(&c);

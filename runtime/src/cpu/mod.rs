@@ -600,6 +600,18 @@ fn tokens_in<'a>(i: &'a [Vec<i32>], cx: &Cx) -> Tokens<'a> {
 }
 
 impl Rank {
+    /// `out = input @ W^T` over the weights' `parts` (rows each), with its epilogue.
+    #[allow(clippy::too_many_arguments)]
+    fn linear(&mut self, cx: &Cx, input: BufId, weights: &LinearWeights, parts: &[usize], k: usize, epilogue: Epilogue, out: BufId) {
+        let p = cx.program;
+        let n = |b: BufId| numel(p, b);
+        let mut o = std::mem::take(&mut self.f[out.0 as usize]);
+        let lin = linear_of(cx.plan, &self.arena, &self.small, weights, k, parts);
+        let round = Round::for_dtype(p.buffer(out).dtype, cx.opts.precision);
+        linear::linear(&self.f[input.0 as usize][..n(input)], tokens_of(p, input, k), &lin, cx.opts.act_quant, epilogue, round, &mut self.lin, &mut o[..n(out)]);
+        self.f[out.0 as usize] = o;
+    }
+
     fn exec(&mut self, cx: &Cx, op: &Op) -> Result<(), RuntimeError> {
         let (plan, p) = (cx.plan, cx.program);
         let n = |b: BufId| numel(p, b);
@@ -609,11 +621,7 @@ impl Rank {
             Op::LinearGroup { input, k, ref members } => {
                 // each member as its own Linear (no allocation: the decode loop allocates nothing)
                 for g in members {
-                    let mut o = take(&mut self.f, g.out);
-                    let rows = [g.rows];
-                    let lin = linear_of(plan, &self.arena, &self.small, &LinearWeights::Bf16 { weight: g.weight }, k, &rows);
-                    linear::linear(&self.f[input.0 as usize][..n(input)], tokens_of(p, input, k), &lin, cx.opts.act_quant, Epilogue::None, round(g.out), &mut self.lin, &mut o[..n(g.out)]);
-                    self.f[g.out.0 as usize] = o;
+                    self.linear(cx, input, &LinearWeights::Bf16 { weight: g.weight }, &[g.rows], k, Epilogue::None, g.out);
                 }
             }
             Op::Embed { ids, table, vocab_rows, out } => {
@@ -656,10 +664,7 @@ impl Rank {
                     }
                     _ => return Err(RuntimeError::internal(format!("a linear with {} parts", parts.len()))),
                 };
-                let mut o = take(&mut self.f, out);
-                let lin = linear_of(plan, &self.arena, &self.small, weights, k, parts);
-                linear::linear(&self.f[input.0 as usize][..n(input)], tokens_of(p, input, k), &lin, cx.opts.act_quant, epilogue, round(out), &mut self.lin, &mut o[..n(out)]);
-                self.f[out.0 as usize] = o;
+                self.linear(cx, input, weights, parts, k, epilogue, out);
             }
             Op::KvCacheWrite { kv, kv_norm, kv_eps, k, k_norm, k_bias, k_eps, layer } => {
                 let tk = tokens_in(&self.i, cx);

@@ -278,22 +278,31 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     }
 }
 
-/// The predicted µs of the form [`instances`] gives a linear (all its launches).
-pub(super) fn predicted_us(cx: &Cx, op: &Op) -> f64 {
+/// The form [`instances`] gives a linear: whether it shares K over blocks, and its predicted µs
+/// (all its launches: one per part of an NVFP4 linear without SiLU); None for an empty linear or
+/// an NVFP4 shape the template does not take.
+pub(super) fn predicted(cx: &Cx, op: &Op) -> Option<(bool, f64)> {
     let Op::Linear { input, ref weights, ref parts, k, epilogue, .. } = *op else {
-        return 0.0;
+        return None;
     };
     let p = cx.program;
     let m = numel(p, input) / k.max(1);
     let n: usize = parts.iter().map(|q| q.rows).sum();
+    if m == 0 || n == 0 || k == 0 {
+        return None;
+    }
     let x_bf16 = p.buffer(input).dtype == kiln_runtime::plan::DType::BF16;
-    match weights {
-        LinearWeights::Bf16 { .. } => bf16_gemm_form(m, n, k, x_bf16, &cx.consts).1,
+    match *weights {
+        LinearWeights::Bf16 { .. } => {
+            let (form, us) = bf16_gemm_form(m, n, k, x_bf16, &cx.consts);
+            Some((form.ks > 1, us))
+        }
         LinearWeights::Nvfp4 { .. } => {
-            let silu = epilogue == Epilogue::SiluMul;
+            let silu = super::nvfp4_linear_shape(k, parts, epilogue, "GEMM").ok()?;
             let widest = parts.iter().map(|q| q.rows).max().unwrap_or(0);
+            let ((.., slices), us) = nvfp4_gemm_form(m, widest, k, silu, x_bf16, &cx.consts);
             let launches = if silu { 1.0 } else { parts.len() as f64 };
-            nvfp4_gemm_form(m, widest, k, silu, x_bf16, &cx.consts).1 * launches
+            Some((slices > 1, us * launches))
         }
     }
 }

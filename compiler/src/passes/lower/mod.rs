@@ -341,7 +341,7 @@ fn linear(cx: &Cx, op: &Op) -> Result<(Vec<Instance>, f64), String> {
     match gemv {
         Ok((i, us)) => Ok((vec![i], us)),
         Err(gemv) => match gemm::instances(cx, op) {
-            Ok(list) => Ok((list, gemm::predicted_us(cx, op))),
+            Ok(list) => Ok((list, gemm::predicted(cx, op).map_or(0.0, |(_, us)| us))),
             Err(gemm) => Err(format!("GEMV: {gemv}; GEMM: {gemm}")),
         },
     }
@@ -370,30 +370,7 @@ fn linear_group(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
 /// indexer's 32 head weights over 6,144) reads x as often as its weights, or leaves SMs idle:
 /// there the split form can be the cheaper one.
 fn split_k_us(cx: &Cx, op: &Op) -> Option<f64> {
-    let Op::Linear { input, ref weights, ref parts, k, epilogue, .. } = *op else {
-        return None;
-    };
-    let p = cx.program;
-    let m = numel(p, input) / k.max(1);
-    let n: usize = parts.iter().map(|q| q.rows).sum();
-    if m == 0 || n == 0 || k == 0 {
-        return None;
-    }
-    let x_bf16 = p.buffer(input).dtype == DType::BF16;
-    match *weights {
-        LinearWeights::Bf16 { .. } => {
-            let (form, us) = gemm::bf16_gemm_form(m, n, k, x_bf16, &cx.consts);
-            (form.ks > 1).then_some(us)
-        }
-        LinearWeights::Nvfp4 { .. } => {
-            let silu = nvfp4_linear_shape(k, parts, epilogue, "GEMM").ok()?;
-            let widest = parts.iter().map(|q| q.rows).max().unwrap_or(0);
-            let ((.., slices), us) = gemm::nvfp4_gemm_form(m, widest, k, silu, x_bf16, &cx.consts);
-            // one launch per part without SiLU
-            let launches = if silu { 1.0 } else { parts.len() as f64 };
-            (slices > 1).then_some(us * launches)
-        }
-    }
+    gemm::predicted(cx, op).filter(|&(sliced, _)| sliced).map(|(_, us)| us)
 }
 
 /// The GEMV of a linear of at most `GEMV_MAX_M` rows, and its predicted µs (the cost its columns
