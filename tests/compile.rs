@@ -606,7 +606,9 @@ fn decode_all_reduces_take_over_the_residual_add_and_the_p2p_kernel_does_it() {
     use kiln_runtime::plan::{read_plan, KernelFamily, Op, ProgramKind};
     // the shipped GLM-5 plan (tp 8): every all-reduce whose sum the next rmsnorm adds into the
     // residual, at decode, carries that add (2 per layer; the embedding's is followed by the first
-    // norm, which has no residual yet); prefill keeps it in its one-block-per-row norm
+    // norm, which has no residual yet); prefill keeps it in its one-block-per-row norm. The norm
+    // is a step of its own (before the MoE) or the norm of the linear group after it (the input
+    // norm of q_a, kv_a and the indexer's projections)
     let art = Path::new(env!("CARGO_MANIFEST_DIR")).join("artifacts/GLM-5-NVFP4-sm120a-tp8");
     let plan = read_plan(&art).unwrap();
     for p in &plan.programs {
@@ -614,7 +616,7 @@ fn decode_all_reduces_take_over_the_residual_add_and_the_p2p_kernel_does_it() {
         let decode = matches!(p.kind, ProgramKind::Decode { .. });
         assert_eq!(fused.len(), if decode { 2 * plan.model.num_hidden_layers } else { 0 }, "{}", p.name);
         for &s in &fused {
-            let (Op::AllReduce { buf, residual: Some(r) }, Op::RmsNorm { input, residual: None, .. }) = (&p.steps[s].op, &p.steps[s + 1].op) else {
+            let (Op::AllReduce { buf, residual: Some(r) }, Op::RmsNorm { input, residual: None, .. } | Op::LinearGroup { input, norm: Some(_), .. }) = (&p.steps[s].op, &p.steps[s + 1].op) else {
                 panic!("{} step {s}: not an all-reduce with a residual before a norm of it", p.name);
             };
             assert_eq!(input, r, "{} step {s}: the norm normalises the residual", p.name);
@@ -630,8 +632,10 @@ fn decode_all_reduces_take_over_the_residual_add_and_the_p2p_kernel_does_it() {
                 let k = plan.kernel(p.steps[s].launches[0].kernel);
                 assert!(k.params.iter().any(|(n, v)| n == "ADD" && *v == 1), "{}: {}", p.name, k.name);
             }
-            // the norm after it launches the norm alone
-            assert!(p.steps[s + 1].launches.iter().all(|l| plan.kernel(l.kernel).family == KernelFamily::RmsNorm), "{} step {}", p.name, s + 1);
+            // the norm after it launches the norm alone (a group: the norm's launch, if any, first)
+            if matches!(p.steps[s + 1].op, Op::RmsNorm { .. }) {
+                assert!(p.steps[s + 1].launches.iter().all(|l| plan.kernel(l.kernel).family == KernelFamily::RmsNorm), "{} step {}", p.name, s + 1);
+            }
         }
     }
 }
@@ -642,7 +646,10 @@ fn decode_projections_of_the_same_activations_are_one_launch() {
     // the shipped GLM-5 plan (tp 8): at decode, q_a, kv_a (this rank's rows), the indexer's wk
     // and head weights (of the normed hidden state) form one group, q_b and the indexer's wq_b
     // (of the normed q_a) another, each one launch of the BF16 GEMM with its members side by side
-    // (SEGS); prefill keeps them apart (its tiled GEMM has no segments)
+    // (SEGS); prefill keeps them apart (its tiled GEMM has no segments). Both groups carry the
+    // norm before them (the input norm; q_a's norm): a launch of its own before the group's, or,
+    // where the model prices it lower, inside it (NORM): both at batch 1, neither from batch 4
+    // (every block of the fused form re-reads its rows); at batch 2 as the model prices each
     let art = Path::new(env!("CARGO_MANIFEST_DIR")).join("artifacts/GLM-5-NVFP4-sm120a-tp8");
     let plan = read_plan(&art).unwrap();
     let slot = |w: kiln_runtime::plan::WeightId| plan.weight(w).name.clone();
@@ -651,16 +658,31 @@ fn decode_projections_of_the_same_activations_are_one_launch() {
         let decode = matches!(p.kind, ProgramKind::Decode { .. });
         assert_eq!(groups.len(), if decode { 2 * plan.model.num_hidden_layers } else { 0 }, "{}", p.name);
         for (s, step) in p.steps.iter().enumerate() {
-            let Op::LinearGroup { members, .. } = &step.op else { continue };
+            let Op::LinearGroup { members, norm, .. } = &step.op else { continue };
             let names: Vec<String> = members.iter().map(|g| slot(g.weight)).collect();
             let ends: Vec<&str> = names.iter().map(|n| n.rsplit_once(".self_attn.").map_or(n.as_str(), |(_, e)| e)).collect();
             assert!(
                 ends == ["q_a_proj.weight", "kv_a_proj_with_mqa.weight", "indexer.wk.weight", "indexer.weights_proj.weight"] || ends == ["q_b_proj.weight", "indexer.wq_b.weight"],
                 "{} step {s}: group {names:?}", p.name
             );
-            assert_eq!(step.launches.len(), 1, "{} step {s}: {names:?} is not one launch", p.name);
-            let k = plan.kernel(step.launches[0].kernel);
-            assert!(k.params.iter().any(|(n, v)| n == "SEGS" && *v as usize == members.len()), "{}: {}", p.name, k.name);
+            assert!(norm.is_some(), "{} step {s}: {names:?} without its norm", p.name);
+            let param = |l: &kiln_runtime::plan::Launch, name: &str| plan.kernel(l.kernel).params.iter().find(|(n, _)| n == name).map(|(_, v)| *v);
+            let batch = match p.kind {
+                ProgramKind::Decode { batch } => batch,
+                _ => unreachable!("groups are decode's"),
+            };
+            let fused = step.launches.len() == 1;
+            match batch {
+                1 => assert!(fused, "{} step {s}: {names:?} launches its norm apart at batch 1", p.name),
+                2 => assert!(step.launches.len() <= 2, "{} step {s}: {names:?}", p.name),
+                _ => assert_eq!(step.launches.len(), 2, "{} step {s}: {names:?} normalises inside from batch 4", p.name),
+            }
+            if !fused {
+                assert_eq!(plan.kernel(step.launches[0].kernel).template, "rmsnorm", "{} step {s}", p.name);
+            }
+            let group = step.launches.last().unwrap();
+            let k = plan.kernel(group.kernel);
+            assert_eq!((param(group, "SEGS"), param(group, "NORM")), (Some(members.len() as u64), Some(fused as u64)), "{}: {}", p.name, k.name);
             // every member's output is still read after the group, by a later step
             for g in members {
                 assert!(p.steps[s + 1..].iter().any(|t| t.op.reads().contains(&g.out)), "{} step {s}: {} is never read", p.name, p.buffer(g.out).name);

@@ -15,7 +15,7 @@
 
 mod common;
 use common::{bytes, floats, randn};
-use kiln_compiler::kernels::{LinearBf16GemmParams, LinearNvfp4GemmParams};
+use kiln_compiler::kernels::{LinearBf16GemmParams, LinearNvfp4GemmParams, RmsnormParams};
 use kiln_compiler::passes::lower::{bf16_gemm_form, nvfp4_gemm_form};
 use kiln_runtime::perf::Constants;
 use kiln_runtime::plan::{DType, SplitKLayout};
@@ -288,7 +288,7 @@ fn bf16_case(m: usize, n: usize, k: usize, x_bf16: bool, out_bf16: bool, f: Form
     let mut want = vec![0f32; m * n];
     reference::linear_bf16(&x, m, &wb, k, n, out_bf16, &mut want);
     let partials = if ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
-    let params = LinearBf16GemmParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, segs: 1, c1: 0, c2: 0, c3: 0, split, ks, partials, mt, nt, kb, nbuf, threads: 256, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32 };
+    let params = LinearBf16GemmParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, segs: 1, c1: 0, c2: 0, c3: 0, split, ks, partials, mt, nt, kb, nbuf, threads: 256, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32, norm: 0, nw_bf16: 0 };
     let module = Module::parse(&params.render().unwrap(), "linear_bf16_gemm.ptx").unwrap();
     let mut g = GlobalMemory::new();
     let bx = g.alloc_bytes("x", &bytes(&x, x_bf16));
@@ -296,7 +296,8 @@ fn bf16_case(m: usize, n: usize, k: usize, x_bf16: bool, out_bf16: bool, f: Form
     let bo = g.alloc("out", m * n * if out_bf16 { 2 } else { 4 });
     let region = g.alloc("split_k_region", SplitKLayout::BYTES as usize);
     // one segment: w1..w3 and out1..out3 repeat w and out
-    let args: Vec<KernelArg> = [bx, bw, bo, bw, bw, bw, bo, bo, bo, region].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+    let mut args: Vec<KernelArg> = [bx, bw, bo, bw, bw, bw, bo, bo, bo, region, bw].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+    args.push(KernelArg::F32(0.0));
     let (gx, gy) = (n.div_ceil(bn), m.div_ceil(bm));
     let grid = [gx as u32, gy as u32, ks];
     let what = format!("bf16 gemm M={m} N={n} K={k} x_bf16={x_bf16} out_bf16={out_bf16} split={split} mt={mt} nt={nt} kb={kb} nbuf={nbuf} ks={ks}");
@@ -408,10 +409,11 @@ fn bf16_group_case(m: usize, k: usize, members: &[(usize, bool)], x_bf16: bool, 
     let region = g.alloc("split_k_region", SplitKLayout::BYTES as usize);
     let partials = if f.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
     let (m32, n32, k32) = (m as u32, n as u32, k as u32);
-    let params = LinearBf16GemmParams { arch: 120, m: m32, n: n32, k: k32, segs: members.len() as u32, c1: starts[1], c2: starts[2], c3: starts[3], split: 1, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: 2, nbuf: 2, threads: 256, x_bf16: x_bf16 as u32, out_bf16: mask };
+    let params = LinearBf16GemmParams { arch: 120, m: m32, n: n32, k: k32, segs: members.len() as u32, c1: starts[1], c2: starts[2], c3: starts[3], split: 1, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: 2, nbuf: 2, threads: 256, x_bf16: x_bf16 as u32, out_bf16: mask, norm: 0, nw_bf16: 0 };
     let module = Module::parse(&params.render().unwrap(), "linear_bf16_gemm.ptx").unwrap();
     let seg = |v: &Vec<_>, s: usize| *v.get(s).unwrap_or(&v[0]);
-    let args: Vec<KernelArg> = [bx, ws[0], outs[0], seg(&ws, 1), seg(&ws, 2), seg(&ws, 3), seg(&outs, 1), seg(&outs, 2), seg(&outs, 3), region].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+    let mut args: Vec<KernelArg> = [bx, ws[0], outs[0], seg(&ws, 1), seg(&ws, 2), seg(&ws, 3), seg(&outs, 1), seg(&outs, 2), seg(&outs, 3), region, ws[0]].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+    args.push(KernelArg::F32(0.0));
     let grid = [n.div_ceil(8 * f.nt as usize) as u32, m.div_ceil(16 * f.mt as usize) as u32, f.ks];
     // (a mutant's loads may run past a weight: the emulator's bounds check is a failure too)
     if let Err(e) = launch(&module, LinearBf16GemmParams::ENTRY, grid, [256, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g) {
@@ -459,6 +461,91 @@ fn grouped_bf16_linears_match_the_cpu_member_by_member() {
     assert!(!bf16_group_case(4, 2048, &[(2048, true), (512, true)], true, split(1, 4), -8, 951), "a misplaced segment boundary went unnoticed");
 }
 
+/// A group with a norm in its launch (`NORM`, decode's input and q_a norms): the launch that
+/// normalises x itself against the rmsnorm kernel's launch followed by the group's launch over
+/// its rows, which it must equal bit for bit (the same sums in the same order), and against the
+/// CPU's norm then linears under verify's tolerance (the CPU normalises to the same bits, so the
+/// outputs differ only in the GEMM's summation order). `fused_eps` is the epsilon the fused launch gets (a
+/// mutant where it is not `EPS`). The result says whether both held.
+fn normed_group_case(m: usize, k: usize, members: &[(usize, bool)], nw_bf16: bool, f: Form, fused_eps: f32, seed: u64) -> bool {
+    const EPS: f32 = 1e-5;
+    let mut rng = Rng::new(seed);
+    let x = randn(&mut rng, m * k, 2.0, true);
+    let nw = randn(&mut rng, k, 1.0, nw_bf16);
+    let n: usize = members.iter().map(|&(rows, _)| rows).sum();
+    let mut normed = vec![0f32; m * k];
+    reference::rms_norm(&x, None, &nw, EPS, k, true, true, &mut normed);
+    let mut g = GlobalMemory::new();
+    let bx = g.alloc_bytes("x", &bytes(&x, true));
+    let bnw = g.alloc_bytes("norm_weight", &bytes(&nw, nw_bf16));
+    let bnormed = g.alloc("normed", m * k * 2);
+    let region = g.alloc("split_k_region", SplitKLayout::BYTES as usize);
+    let (mut ws, mut wants, mut starts, mut mask) = (Vec::new(), Vec::new(), vec![0u32; 4], 0u32);
+    let mut col = 0;
+    for (s, &(rows, out_bf16)) in members.iter().enumerate() {
+        let wb = bytes(&randn(&mut rng, rows * k, 0.1, true), true);
+        let mut want = vec![0f32; m * rows];
+        reference::linear_bf16(&normed, m, &wb, k, rows, out_bf16, &mut want);
+        ws.push(g.alloc_bytes(&format!("w{s}"), &wb));
+        wants.push(want);
+        starts[s] = col as u32;
+        mask |= (out_bf16 as u32) << s;
+        col += rows;
+    }
+    // the rmsnorm kernel as lowering launches it for one row block
+    let norm = RmsnormParams { arch: 120, rows: m as u32, h: k as u32, threads: 256, x_bf16: 1, res: 0, res_bf16: 0, src_bf16: 1, w_bf16: nw_bf16 as u32, out_bf16: 1, cb: 1 };
+    let module = Module::parse(&norm.render().unwrap(), "rmsnorm.ptx").unwrap();
+    let args = [bx, bx, bnw, bnormed].iter().map(|&b| KernelArg::U64(g.addr(b))).chain([KernelArg::F32(EPS)]).collect::<Vec<_>>();
+    launch(&module, RmsnormParams::ENTRY, [m as u32, 1, 1], [256, 1, 1], norm.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+    let partials = if f.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
+    let grid = [n.div_ceil(8 * f.nt as usize) as u32, m.div_ceil(16 * f.mt as usize) as u32, f.ks];
+    let group = |fused: bool, g: &mut GlobalMemory| -> Vec<Vec<u8>> {
+        let params = LinearBf16GemmParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, segs: members.len() as u32, c1: starts[1], c2: starts[2], c3: starts[3], split: 1, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: 2, nbuf: 2, threads: 256, x_bf16: 1, out_bf16: mask, norm: fused as u32, nw_bf16: nw_bf16 as u32 };
+        let module = Module::parse(&params.render().unwrap(), "linear_bf16_gemm.ptx").unwrap();
+        let outs: Vec<_> = members.iter().enumerate().map(|(s, &(rows, out_bf16))| g.alloc(&format!("out{s}_{fused}"), m * rows * if out_bf16 { 2 } else { 4 })).collect();
+        let seg = |v: &Vec<_>, s: usize| *v.get(s).unwrap_or(&v[0]);
+        let input = if fused { bx } else { bnormed };
+        let ptrs = [input, ws[0], outs[0], seg(&ws, 1), seg(&ws, 2), seg(&ws, 3), seg(&outs, 1), seg(&outs, 2), seg(&outs, 3), region, bnw];
+        let args: Vec<KernelArg> = ptrs.iter().map(|&b| KernelArg::U64(g.addr(b))).chain([KernelArg::F32(if fused { fused_eps } else { 0.0 })]).collect();
+        launch(&module, LinearBf16GemmParams::ENTRY, grid, [256, 1, 1], params.dynamic_smem().unwrap(), &args, g).unwrap();
+        outs.iter().map(|&o| g.read(o)).collect()
+    };
+    let (apart, fused) = (group(false, &mut g), group(true, &mut g));
+    let mut ok = true;
+    for (s, &(rows, out_bf16)) in members.iter().enumerate() {
+        let dtype = if out_bf16 { DType::BF16 } else { DType::F32 };
+        let c = compare(dtype, &Values::F32(floats(&fused[s], out_bf16)), &Values::F32(wants[s].clone()));
+        let same = fused[s] == apart[s];
+        eprintln!("normed group M={m} K={k} member {s} ({rows} rows) {f:?} nw_bf16={nw_bf16} eps {fused_eps}: the norm launch's bits {same}; vs the CPU max rel {:.3e}, {} beyond", c.max_rel, c.beyond + c.non_finite);
+        ok &= same && c.ok();
+    }
+    ok
+}
+
+#[test]
+fn normed_groups_equal_the_norm_launch_then_the_group_and_match_the_cpu() {
+    // GLM-5 tp8: the input norm before q_a, kv_a and the indexer's wk and head weights (K =
+    // 6144) at batch 1 and 2 as lowering picks them, q_a's norm before q_b and wq_b (K = 2048),
+    // several row blocks and rows past M, an F32 norm weight, one K slice, K with an 8 tail
+    let qa = [(256, true), (72, true), (128, true), (32, false)];
+    let qb = [(2048, true), (512, true)];
+    for (i, (m, k, members, nw_bf16, f)) in [
+        (1, 6144, &qa[..], true, split_k(1, 4, 12)),
+        (2, 6144, &qa[..], true, split_k(1, 4, 12)),
+        (1, 2048, &qb[..], true, split_k(1, 4, 3)),
+        (20, 520, &[(40, false), (24, true), (13, true)][..], false, split_k(1, 2, 4)),
+        (3, 1032, &[(16, true), (8, false)][..], true, split(1, 1)),
+        (40, 264, &[(16, true), (8, true)][..], true, split_k(2, 1, 2)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        assert!(normed_group_case(m, k, members, nw_bf16, f, 1e-5, 960 + i as u64), "normed group {i} differs");
+    }
+    // a fused launch given another epsilon must not pass for the norm's
+    assert!(!normed_group_case(1, 2048, &qb, true, split_k(1, 4, 3), 1e-1, 970), "the fused norm ignored its epsilon");
+}
+
 /// (registers, spill bytes, static smem) of one rendered kernel.
 fn assemble(ptxas: &std::path::Path, name: &str, ptx: &str) -> (u32, u32, u32) {
     let r = common::assemble(ptxas, name, ptx).unwrap_or_else(|e| panic!("{e}"));
@@ -499,7 +586,7 @@ fn glm5_prefill_shapes_assemble_without_spills() {
                     tiled(2, 2, 3)
                 };
                 let partials = if f.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
-                let p = LinearBf16GemmParams { arch, m, n, k, segs: 1, c1: 0, c2: 0, c3: 0, split: f.split, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16, out_bf16 };
+                let p = LinearBf16GemmParams { arch, m, n, k, segs: 1, c1: 0, c2: 0, c3: 0, split: f.split, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16, out_bf16, norm: 0, nw_bf16: 0 };
                 kernels.push((format!("bf16_sm{arch}_m{m}_n{n}_k{k}_x{x_bf16}_o{out_bf16}_s{}_mt{}_nt{}_kb{}_nbuf{}_ks{}", f.split, f.mt, f.nt, f.kb, f.nbuf, f.ks), p.render().unwrap(), p.dynamic_smem().unwrap()));
             }
         }
@@ -511,7 +598,7 @@ fn glm5_prefill_shapes_assemble_without_spills() {
             let (picked, _) = bf16_gemm_form(m as usize, n as usize, k as usize, true, &Constants::SM120A);
             let f = split_k(picked.mt, if picked.split == 1 { picked.nt } else { 4 }, picked.ks);
             let partials = if f.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
-            let p = LinearBf16GemmParams { arch, m, n, k, segs, c1: starts[0], c2: starts[1], c3: starts[2], split: 1, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: 2, nbuf: 2, threads: 256, x_bf16: 1, out_bf16: mask };
+            let p = LinearBf16GemmParams { arch, m, n, k, segs, c1: starts[0], c2: starts[1], c3: starts[2], split: 1, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: 2, nbuf: 2, threads: 256, x_bf16: 1, out_bf16: mask, norm: 0, nw_bf16: 0 };
             kernels.push((format!("bf16group_sm{arch}_m{m}_n{n}_k{k}_s1_segs{segs}_mt{}_nt{}_ks{}", f.mt, f.nt, f.ks), p.render().unwrap(), p.dynamic_smem().unwrap()));
         }
     }

@@ -8,7 +8,9 @@
 //!   activations identically), so a value rounded once to BF16 may land one ulp (at most 2^-7
 //!   relative) away; the absolute term covers cancellation. Ops that round a value twice
 //!   ([`bf16_roundings`]: RMSNorm of a BF16 source normalises, rounds, then multiplies by the
-//!   weight and rounds again) may land two ulps away: `2^-6 |ref|` for those.
+//!   weight and rounds again) may land two ulps away: `2^-6 |ref|` for those. (The CPU sums a
+//!   row's squares in the rmsnorm kernel's order, so a linear group that normalises its input
+//!   inside its launch reads the CPU's normalised values exactly: one rounding.)
 //! * F32 outputs: `|emu - ref| <= 2^-16 |ref| + 2^-20 max` (summation order, `ex2.approx`).
 
 use crate::emu::{self, GlobalMemory, KernelArg, Module};

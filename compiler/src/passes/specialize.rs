@@ -3,7 +3,7 @@
 
 use crate::graph::Graph;
 use crate::passes::lower::GROUP_MAX;
-use kiln_runtime::plan::{attention_splits_cap, AttentionForm, BufId, Buffer, Dim, Epilogue, GroupMember, LinearWeights, Op, Program, ProgramInputs, ProgramKind, Step};
+use kiln_runtime::plan::{attention_splits_cap, AttentionForm, BufId, Buffer, Dim, Epilogue, GroupMember, GroupNorm, LinearWeights, Op, Program, ProgramInputs, ProgramKind, Step};
 
 /// The concrete sizes of one bucket.
 #[derive(Debug, Clone, Copy)]
@@ -87,7 +87,30 @@ fn group_linears_sharing_input(steps: &mut Vec<Step>) {
             j += 1;
         }
         if members.len() > 1 {
-            steps[i].op = Op::LinearGroup { input, k, members };
+            steps[i].op = Op::LinearGroup { input, norm: None, k, members };
+        }
+        i += 1;
+    }
+}
+
+/// Decode: an RMSNorm (no residual) whose rows only the next step reads, a `LinearGroup`,
+/// becomes the group's `norm` (the input norm before q_a, kv_a and the indexer's projections;
+/// q_a's norm before q_b and wq_b), so that lowering may normalise inside the group's launch.
+/// The group then reads the norm's input; the normed rows become its scratch.
+fn norms_into_groups(steps: &mut Vec<Step>) {
+    let mut i = 0;
+    while i + 1 < steps.len() {
+        let (a, b) = (&steps[i].op, &steps[i + 1].op);
+        if let (Op::RmsNorm { input, residual: None, weight, eps, out }, Op::LinearGroup { input: x, norm: None, .. }) = (a, b) {
+            let (input, weight, eps, out) = (*input, *weight, *eps, *out);
+            let read_elsewhere = steps.iter().enumerate().any(|(j, s)| j != i + 1 && s.op.reads().contains(&out));
+            if *x == out && input != out && !read_elsewhere {
+                let Op::LinearGroup { input: x, norm, .. } = &mut steps[i + 1].op else { unreachable!("matched a group") };
+                *x = input;
+                *norm = Some(GroupNorm { weight, eps, normed: out });
+                steps.remove(i);
+                continue;
+            }
         }
         i += 1;
     }
@@ -129,6 +152,7 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
     if decode {
         residual_adds_into_all_reduces(&mut steps);
         group_linears_sharing_input(&mut steps);
+        norms_into_groups(&mut steps);
     }
     let i = graph.inputs;
     let name = match bucket.kind {
@@ -158,9 +182,9 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
 
 #[cfg(test)]
 mod tests {
-    use super::group_linears_sharing_input;
+    use super::{group_linears_sharing_input, norms_into_groups};
     use crate::passes::lower::GROUP_MAX;
-    use kiln_runtime::plan::{BufId, Epilogue, KernelFamily, LinearPart, LinearWeights, Op, Step, WeightId};
+    use kiln_runtime::plan::{BufId, Epilogue, GroupNorm, KernelFamily, LinearPart, LinearWeights, Op, Step, WeightId};
 
     fn linear(input: u32, out: u32, k: usize, epilogue: Epilogue) -> Step {
         let weights = LinearWeights::Bf16 { weight: WeightId(out) };
@@ -170,6 +194,11 @@ mod tests {
 
     fn add(a: u32, b: u32, out: u32) -> Step {
         Step { op: Op::Add { a: BufId(a), b: BufId(b), out: BufId(out) }, kernel: KernelFamily::Add, launches: vec![] }
+    }
+
+    fn norm(input: u32, out: u32) -> Step {
+        let op = Op::RmsNorm { input: BufId(input), residual: None, weight: WeightId(99), eps: 1e-5, out: BufId(out) };
+        Step { op, kernel: KernelFamily::RmsNorm, launches: vec![] }
     }
 
     /// The members' outputs of the group at `at`, or None where it is not a group.
@@ -203,5 +232,34 @@ mod tests {
         assert_eq!(group(&s, 0), Some(want));
         assert!(s[1..4].iter().all(|st| matches!(st.op, Op::Linear { .. })), "the non-members stay where they were");
         assert_eq!(s.len(), 5, "the last linear stays a linear of its own");
+    }
+
+    #[test]
+    fn a_norm_joins_the_group_after_it_only_where_nothing_else_reads_its_rows() {
+        let plain = |input, out| linear(input, out, 16, Epilogue::None);
+        // norm 0 -> 1, the group of 1: the group reads 0 and keeps 1 as its scratch
+        let mut s = vec![norm(0, 1), plain(1, 2), plain(1, 3)];
+        group_linears_sharing_input(&mut s);
+        norms_into_groups(&mut s);
+        assert_eq!(s.len(), 1);
+        let want = Some(GroupNorm { weight: WeightId(99), eps: 1e-5, normed: BufId(1) });
+        assert!(matches!(&s[0].op, Op::LinearGroup { input: BufId(0), norm, .. } if *norm == want), "{:?}", s[0].op);
+        assert_eq!(s[0].op.scratch(), vec![BufId(1)]);
+        // a later reader of the normed rows keeps the norm a step of its own
+        let mut s = vec![norm(0, 1), plain(1, 2), plain(1, 3), add(1, 5, 6)];
+        group_linears_sharing_input(&mut s);
+        norms_into_groups(&mut s);
+        assert!(matches!(s[1].op, Op::LinearGroup { norm: None, .. }) && s.len() == 3);
+        // a norm with a residual, or a lone linear after it, stays
+        let mut s = vec![norm(0, 1), plain(1, 2)];
+        norms_into_groups(&mut s);
+        assert_eq!(s.len(), 2);
+        let mut s = vec![norm(0, 1), plain(1, 2), plain(1, 3)];
+        if let Op::RmsNorm { residual, .. } = &mut s[0].op {
+            *residual = Some(BufId(7));
+        }
+        group_linears_sharing_input(&mut s);
+        norms_into_groups(&mut s);
+        assert!(matches!(s[1].op, Op::LinearGroup { norm: None, .. }) && s.len() == 2);
     }
 }

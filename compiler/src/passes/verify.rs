@@ -74,7 +74,7 @@ fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -
             if members.is_empty() {
                 return Err("a linear group without members".into());
             }
-            for m in op.group_members().unwrap_or_default() {
+            for m in op.group_norm().into_iter().chain(op.group_members().unwrap_or_default()) {
                 check_shapes(p, &m, slots, cfg)?;
             }
         }

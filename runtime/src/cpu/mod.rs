@@ -20,6 +20,7 @@ mod linear;
 mod moe;
 mod norm;
 pub mod quant;
+pub use norm::NORM_THREADS;
 pub mod reference;
 pub mod rope;
 mod router;
@@ -618,10 +619,23 @@ impl Rank {
         let round = |b: BufId| Round::for_dtype(p.buffer(b).dtype, cx.opts.precision);
         let take = |v: &mut Vec<Vec<f32>>, b: BufId| std::mem::take(&mut v[b.0 as usize]);
         match *op {
-            Op::LinearGroup { input, k, ref members } => {
-                // each member as its own Linear (no allocation: the decode loop allocates nothing)
+            Op::LinearGroup { input, norm, k, ref members } => {
+                // the norm into its scratch rows, then each member as its own Linear (no
+                // allocation: the decode loop allocates nothing)
+                let x = match norm {
+                    Some(nm) => {
+                        let mut o = take(&mut self.f, nm.normed);
+                        let w = &self.small[nm.weight.0 as usize];
+                        for (xr, or) in self.f[input.0 as usize][..n(input)].chunks_exact(k).zip(o[..n(nm.normed)].chunks_exact_mut(k)) {
+                            norm::rms_norm_row(xr, w, nm.eps, round(input), round(nm.normed), or);
+                        }
+                        self.f[nm.normed.0 as usize] = o;
+                        nm.normed
+                    }
+                    None => input,
+                };
                 for g in members {
-                    self.linear(cx, input, &LinearWeights::Bf16 { weight: g.weight }, &[g.rows], k, Epilogue::None, g.out);
+                    self.linear(cx, x, &LinearWeights::Bf16 { weight: g.weight }, &[g.rows], k, Epilogue::None, g.out);
                 }
             }
             Op::Embed { ids, table, vocab_rows, out } => {

@@ -95,7 +95,7 @@ fn check_op(plan: &Plan, p: &Program, op: &Op) -> Result<(), String> {
             if members.is_empty() {
                 return Err("a linear group without members".into());
             }
-            op.group_members().unwrap_or_default().iter().try_for_each(|m| check_op(plan, p, m))
+            op.group_norm().into_iter().chain(op.group_members().unwrap_or_default()).try_for_each(|m| check_op(plan, p, &m))
         }
         Op::Embed { ids, table, vocab_rows, out } => {
             let h = width(p, out);

@@ -212,6 +212,12 @@ pub fn launch_cost(plan: &Plan, step: &Step, li: usize, load: &Load) -> Result<C
                 c.read(Class::Activations, 4.0, grid);
                 c.write(ks * m * n * 4.0 + 4.0 * grid);
             }
+            if p.v("NORM")? == 1.0 {
+                // every block reads its rows in full for their sums of squares (x again: no
+                // compulsory bytes), and the norm weight of its K slice (lanes of g = 0)
+                *c.bytes.class(Class::Activations) += m * kk * 2.0 * gx * l.grid[2] as f64;
+                c.read(Class::Weights, kk * p.size("NW_BF16")?, gx * gy);
+            }
             let planes = if xs == 2.0 { 1.0 } else { 3.0 };
             let (mt, nt) = (p.v("MT")?, p.v("NT")?);
             let (bm, bn, kstep) = if p.v("SPLIT")? == 1.0 { (16.0 * mt, 8.0 * nt, 16.0) } else { (32.0 * mt, 128.0, 16.0 * p.v("KB")?) };

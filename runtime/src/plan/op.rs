@@ -30,8 +30,11 @@ pub enum Op {
     /// epilogue): decode's projections of the same activations (q_a, kv_a and the indexer's wk
     /// and head weights of the hidden state; q_b and the indexer's wq_b of q_a), which one launch
     /// can compute side by side. Specialisation forms it from `Linear` steps; each member means
-    /// exactly its `Linear` ([`Op::group_members`]).
-    LinearGroup { input: BufId, k: usize, members: Vec<GroupMember> },
+    /// exactly its `Linear` ([`Op::group_members`]). With `norm` (decode: the input norm and the
+    /// q_a norm) the members read `rmsnorm(input) * weight` ([`Op::group_norm`]), which one
+    /// launch may compute on the fly; `normed` is then kernel scratch, where a plan that norms in
+    /// a launch of its own puts it.
+    LinearGroup { input: BufId, norm: Option<GroupNorm>, k: usize, members: Vec<GroupMember> },
     /// The layer's KV-cache writes of its tokens, into disjoint parts of each slot's row: the MLA
     /// part from `kv` rows `[latent (kv_lora_rank) | k_rope (rope dim)]` (the latent
     /// RMS-normalised with `kv_norm`, the rope key rotated at the token's position), and the
@@ -102,6 +105,15 @@ pub enum Op {
     /// For each pair, concatenate each rank's `input` columns in rank order into `out` on every
     /// rank (row by row); several pairs share one collective.
     AllGather { pairs: Vec<GatherPair> },
+}
+
+/// The RMSNorm (no residual) an [`Op::LinearGroup`] applies to its input first.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct GroupNorm {
+    pub weight: WeightId,
+    pub eps: f32,
+    /// The normalised rows `[tokens, k]`: kernel scratch (the CPU's and a separate norm launch's).
+    pub normed: BufId,
 }
 
 /// One linear of an [`Op::LinearGroup`]: BF16 `weight` `[rows, k]` into `out` `[tokens, rows]`.
@@ -195,7 +207,7 @@ impl Op {
             | Op::Add { out, .. }
             | Op::GatherRows { out, .. } => vec![*out],
             Op::AllGather { pairs } => pairs.iter().map(|g| g.out).collect(),
-            Op::LinearGroup { members, .. } => members.iter().map(|g| g.out).collect(),
+            Op::LinearGroup { members, norm, .. } => members.iter().map(|g| g.out).chain(norm.map(|n| n.normed)).collect(),
             Op::RmsNorm { residual, out, .. } => std::iter::once(*out).chain(*residual).collect(),
             Op::MoeExperts { out, mid, acc, .. } => vec![*out, *mid, *acc],
             Op::Router { logits, ids, weights, .. } => vec![*logits, *ids, *weights],
@@ -219,6 +231,7 @@ impl Op {
             Op::Router { logits, .. } => vec![*logits],
             Op::IndexerTopK { scores, .. } => vec![*scores],
             Op::MlaAttention { absorbed, partials, .. } => vec![*absorbed, *partials],
+            Op::LinearGroup { norm: Some(n), .. } => vec![n.normed],
             _ => vec![],
         }
     }
@@ -235,7 +248,7 @@ impl Op {
             Op::Embed { table, .. } => vec![*table],
             Op::RmsNorm { weight, .. } => vec![*weight],
             Op::Linear { weights, .. } => weights.ids(),
-            Op::LinearGroup { members, .. } => members.iter().map(|g| g.weight).collect(),
+            Op::LinearGroup { members, norm, .. } => norm.map(|n| n.weight).into_iter().chain(members.iter().map(|g| g.weight)).collect(),
             Op::KvCacheWrite { kv_norm, k_norm, k_bias, .. } => vec![*kv_norm, *k_norm, *k_bias],
             Op::MlaAttention { kv_b, .. } => vec![*kv_b],
             Op::Router { gate, bias, .. } => vec![*gate, *bias],
@@ -244,16 +257,26 @@ impl Op {
         }
     }
 
-    /// The `Linear` each member of a `LinearGroup` stands for (None for other ops).
-    pub fn group_members(&self) -> Option<Vec<Op>> {
-        let Op::LinearGroup { input, k, members } = self else {
+    /// The `RmsNorm` a `LinearGroup` with a norm applies first (into its `normed` buffer).
+    pub fn group_norm(&self) -> Option<Op> {
+        let Op::LinearGroup { input, norm: Some(n), .. } = *self else {
             return None;
         };
+        Some(Op::RmsNorm { input, residual: None, weight: n.weight, eps: n.eps, out: n.normed })
+    }
+
+    /// The `Linear` each member of a `LinearGroup` stands for (None for other ops): of the
+    /// normed rows where the group has a norm.
+    pub fn group_members(&self) -> Option<Vec<Op>> {
+        let Op::LinearGroup { input, norm, k, members } = self else {
+            return None;
+        };
+        let input = norm.map_or(*input, |n| n.normed);
         Some(
             members
                 .iter()
                 .map(|g| Op::Linear {
-                    input: *input,
+                    input,
                     weights: LinearWeights::Bf16 { weight: g.weight },
                     parts: vec![LinearPart { rows: g.rows }],
                     k: *k,

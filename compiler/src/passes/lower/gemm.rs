@@ -13,7 +13,7 @@
 use super::{candidate_us, fits, float_flag, numel, of_grid, Cx, Instance, THREADS};
 use crate::kernels::{LinearBf16GemmArgs, LinearBf16GemmParams, LinearNvfp4GemmArgs, LinearNvfp4GemmParams, Ptr};
 use kiln_runtime::perf::Constants;
-use kiln_runtime::plan::{Epilogue, LinearWeights, Op, SplitKLayout};
+use kiln_runtime::plan::{DType, Epilogue, LinearWeights, Op, SplitKLayout};
 
 /// Activation rows per block of both tiled GEMMs.
 pub const GEMM_BM: usize = 64;
@@ -85,7 +85,7 @@ fn ks_allowed(ks: u32, tiles: usize, steps: usize, sums: usize) -> bool {
 /// batch 1 shares its K over 48 blocks instead of one block per 8 rows.
 pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Constants) -> (Bf16Form, f64) {
     let tiled = Bf16Form { split: 0, mt: if x_bf16 && m > GEMM_BM { 4 } else { 2 }, nt: 1, ks: 1 };
-    let cost = bf16_cost(m, n, k, x_bf16, consts);
+    let cost = bf16_cost(m, n, k, x_bf16, None, consts);
     if m > BF16_SPLIT_MAX_M {
         return (tiled, cost(&tiled));
     }
@@ -94,9 +94,10 @@ pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Const
 }
 
 /// The cheapest split form of M x N x K (for a group's columns side by side, which has no
-/// tiled form) and its predicted µs; None past the split form's rows.
-pub fn bf16_split_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Constants) -> Option<(Bf16Form, f64)> {
-    let cost = bf16_cost(m, n, k, x_bf16, consts);
+/// tiled form) and its predicted µs; None past the split form's rows. `norm`: the GEMM
+/// RMS-normalises its BF16 rows first (`NORM`), with a norm weight of that many bytes a value.
+fn bf16_split_form(m: usize, n: usize, k: usize, x_bf16: bool, norm: Option<usize>, consts: &Constants) -> Option<(Bf16Form, f64)> {
+    let cost = bf16_cost(m, n, k, x_bf16, norm, consts);
     if m > BF16_SPLIT_MAX_M {
         return None;
     }
@@ -104,14 +105,17 @@ pub fn bf16_split_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Cons
 }
 
 /// A BF16 form's predicted µs ([`candidate_us`]): the weights once per row block, the
-/// activations once per column block, the partial sums written and read once per slice.
-fn bf16_cost(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Constants) -> impl Fn(&Bf16Form) -> f64 + '_ {
+/// activations once per column block, the partial sums written and read once per slice. With
+/// a norm (split form) every block also reads its rows in full for their sums of squares, and
+/// the norm weight of its K slice.
+fn bf16_cost(m: usize, n: usize, k: usize, x_bf16: bool, norm: Option<usize>, consts: &Constants) -> impl Fn(&Bf16Form) -> f64 + '_ {
     let x_bytes = if x_bf16 { 2 } else { 4 };
     move |f: &Bf16Form| {
         let (bm, bn) = if f.split == 1 { (16 * f.mt as usize, 8 * f.nt as usize) } else { (32 * f.mt as usize, GEMM_BN) };
         let (gx, gy) = (n.div_ceil(bn) as f64, m.div_ceil(bm) as f64);
         let partials = if f.ks > 1 { 2.0 * (f.ks as usize * m * n * 4) as f64 } else { 0.0 };
-        candidate_us((n * k * 2) as f64 * gy, (m * k * x_bytes) as f64 * gx + partials, 0.0, gx * gy * f.ks as f64, consts)
+        let (norm_w, norm_x) = norm.map_or((0.0, 0.0), |w| ((k * w) as f64 * gx * gy, (m * k * 2) as f64 * gx * f.ks as f64));
+        candidate_us((n * k * 2) as f64 * gy + norm_w, (m * k * x_bytes) as f64 * gx + partials + norm_x, 0.0, gx * gy * f.ks as f64, consts)
     }
 }
 
@@ -195,7 +199,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             // Decode-sized M: split K over the warps of small blocks, enough of them to keep the
             // weights streaming. Else 128-row blocks halve the weight traffic of long prefills;
             // F32 activations (three BF16 planes) and short ones keep 64 rows.
-            let base = LinearBf16GemmParams { arch: cx.arch, m: u(m), n: u(n), k: u(k), segs: 1, c1: 0, c2: 0, c3: 0, split: 0, ks: 1, partials: 0, mt: 2, nt: 1, kb: BF16_KB, nbuf: 2, threads: THREADS, x_bf16, out_bf16 };
+            let base = LinearBf16GemmParams { arch: cx.arch, m: u(m), n: u(n), k: u(k), segs: 1, c1: 0, c2: 0, c3: 0, split: 0, ks: 1, partials: 0, mt: 2, nt: 1, kb: BF16_KB, nbuf: 2, threads: THREADS, x_bf16, out_bf16, norm: 0, nw_bf16: 0 };
             let (form, _) = bf16_gemm_form(m, n, k, x_bf16 == 1, &cx.consts);
             let partials = if form.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
             let (params, bm, bn) = if form.split == 1 {
@@ -210,7 +214,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             // one K slice per block needs no region: the output stands in for the ignored argument
             let splitk = if params.ks > 1 { Ptr::SplitKRegion } else { Ptr::Buffer(out) };
             let (w, o) = (Ptr::Weight(weight), Ptr::Buffer(out));
-            let args = LinearBf16GemmArgs { x: Ptr::Buffer(input), w, out: o, w1: w, w2: w, w3: w, out1: o, out2: o, out3: o, splitk };
+            let args = LinearBf16GemmArgs { x: Ptr::Buffer(input), w, out: o, w1: w, w2: w, w3: w, out1: o, out2: o, out3: o, splitk, nw: w, eps: 0.0 };
             Ok(vec![of_grid(&params, grid, THREADS, args.launch_args())])
         }
         LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => {
@@ -314,11 +318,30 @@ pub const GROUP_MAX: usize = 4;
 /// side (`SEGS`), and its predicted µs; None where the group cannot be one launch: more than
 /// [`GROUP_MAX`] members, prefill-sized M (no tiled form), or a member other than the last
 /// whose rows are not a multiple of 8 (an n8 tile would straddle two weights).
-pub(super) fn group_instance(cx: &Cx, op: &Op) -> Result<Option<(Instance, f64)>, String> {
-    let Op::LinearGroup { input, k, ref members } = *op else {
+///
+/// With `fuse_norm` (a group with a norm, BF16 rows and normed rows) the launch normalises the
+/// group's input itself (`NORM`); without it, a group with a norm reads its normed rows (which a
+/// norm launch before it writes).
+pub(super) fn group_instance(cx: &Cx, op: &Op, fuse_norm: bool) -> Result<Option<(Instance, f64)>, String> {
+    let Op::LinearGroup { input, norm, k, ref members } = *op else {
         return Err("not a linear group".into());
     };
     let p = cx.program;
+    let (input, fused) = match norm {
+        Some(nm) if fuse_norm => {
+            if p.buffer(input).dtype != DType::BF16 || p.buffer(nm.normed).dtype != DType::BF16 {
+                return Ok(None);
+            }
+            (input, Some(nm))
+        }
+        Some(nm) => (nm.normed, None),
+        None if fuse_norm => return Ok(None),
+        None => (input, None),
+    };
+    let nw_bf16 = match fused {
+        Some(nm) => float_flag(cx.plan.weight(nm.weight).dtype, "the norm weight")?,
+        None => 0,
+    };
     let m = numel(p, input) / k.max(1);
     let n: usize = members.iter().map(|g| g.rows).sum();
     let aligned = members.split_last().is_some_and(|(_, rest)| rest.iter().all(|g| g.rows % 8 == 0));
@@ -327,7 +350,8 @@ pub(super) fn group_instance(cx: &Cx, op: &Op) -> Result<Option<(Instance, f64)>
     }
     super::bf16_linear_shape(k, Epilogue::None, "GEMM")?;
     let x_bf16 = float_flag(p.buffer(input).dtype, "the input")?;
-    let Some((form, us)) = bf16_split_form(m, n, k, x_bf16 == 1, &cx.consts) else {
+    let norm_bytes = fused.map(|_| if nw_bf16 == 1 { 2 } else { 4 });
+    let Some((form, us)) = bf16_split_form(m, n, k, x_bf16 == 1, norm_bytes, &cx.consts) else {
         return Ok(None);
     };
     let mut out_bf16 = 0;
@@ -358,12 +382,15 @@ pub(super) fn group_instance(cx: &Cx, op: &Op) -> Result<Option<(Instance, f64)>
         threads: THREADS,
         x_bf16,
         out_bf16,
+        norm: fused.is_some() as u32,
+        nw_bf16,
     };
     fits(params.dynamic_smem()? as usize, cx.smem_limit, "the grouped BF16 GEMM")?;
     let w = |s: usize| Ptr::Weight(members.get(s).unwrap_or(&members[0]).weight);
     let o = |s: usize| Ptr::Buffer(members.get(s).unwrap_or(&members[0]).out);
     let splitk = if form.ks > 1 { Ptr::SplitKRegion } else { o(0) };
-    let args = LinearBf16GemmArgs { x: Ptr::Buffer(input), w: w(0), out: o(0), w1: w(1), w2: w(2), w3: w(3), out1: o(1), out2: o(2), out3: o(3), splitk };
+    let (nw, eps) = fused.map_or((w(0), 0.0), |nm| (Ptr::Weight(nm.weight), nm.eps));
+    let args = LinearBf16GemmArgs { x: Ptr::Buffer(input), w: w(0), out: o(0), w1: w(1), w2: w(2), w3: w(3), out1: o(1), out2: o(2), out3: o(3), splitk, nw, eps };
     let grid = [u(n.div_ceil(8 * form.nt as usize)), u(m.div_ceil(16 * form.mt as usize)), form.ks];
     Ok(Some((of_grid(&params, grid, THREADS, args.launch_args()), us)))
 }

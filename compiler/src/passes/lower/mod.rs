@@ -220,11 +220,12 @@ pub fn lower(plan: &mut Plan) -> Result<(), CompileError> {
 }
 
 /// Whether a step of family `step` may launch a kernel of family `kernel`: its own, for the
-/// router the BF16 linear that computes its gate product, for an rmsnorm or an all-reduce the
-/// residual's add.
+/// router the BF16 linear that computes its gate product, for a BF16 linear group its norm, for
+/// an rmsnorm or an all-reduce the residual's add.
 fn may_launch(step: KernelFamily, kernel: KernelFamily) -> bool {
     kernel == step
         || (step == KernelFamily::Router && kernel == KernelFamily::LinearBf16)
+        || (step == KernelFamily::LinearBf16 && kernel == KernelFamily::RmsNorm)
         || (matches!(step, KernelFamily::RmsNorm | KernelFamily::Collective) && kernel == KernelFamily::Add)
 }
 
@@ -350,8 +351,15 @@ fn linear(cx: &Cx, op: &Op) -> Result<(Vec<Instance>, f64), String> {
 /// A `LinearGroup`: one launch of its members side by side where the byte model prices it below
 /// the members' own launches (each a launch cost of its own), else those launches in order (also
 /// where the one launch cannot be made: the members' own launches are the complete fallback).
+/// A group with a norm puts it in a norm launch before those, or, where the model prices it
+/// lower still, in the group's one launch (`NORM`: the rows normalised on the fly).
 fn linear_group(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let members = op.group_members().ok_or("not a linear group")?;
+    let (mut launches, mut norm_us) = (Vec::new(), 0.0);
+    if let Some(n) = op.group_norm() {
+        launches = norm::instances(cx, &n)?;
+        norm_us = norm::predicted_us(cx, &n)?;
+    }
     let mut each = Vec::new();
     let mut each_us = 0.0;
     for m in &members {
@@ -359,9 +367,16 @@ fn linear_group(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         each.extend(list);
         each_us += us;
     }
-    match gemm::group_instance(cx, op) {
-        Ok(Some((one, us))) if us < each_us => Ok(vec![one]),
-        _ => Ok(each),
+    match gemm::group_instance(cx, op, false) {
+        Ok(Some((one, us))) if us < each_us => {
+            launches.push(one);
+            each_us = us;
+        }
+        _ => launches.extend(each),
+    }
+    match gemm::group_instance(cx, op, true) {
+        Ok(Some((one, us))) if us < norm_us + each_us => Ok(vec![one]),
+        _ => Ok(launches),
     }
 }
 

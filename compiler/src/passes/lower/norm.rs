@@ -8,6 +8,10 @@ use crate::kernels::{AddArgs, AddParams, Ptr, RmsnormArgs, RmsnormParams};
 use kiln_runtime::perf::Constants;
 use kiln_runtime::plan::{BufId, Op};
 
+// The CPU reference sums a row's squares in the order of a block of this many threads, so the
+// rmsnorm kernel and the split GEMM's NORM form normalise to its bits.
+const _: () = assert!(THREADS as usize == kiln_runtime::cpu::NORM_THREADS);
+
 /// (column blocks, predicted µs) of the cheapest column split of a RES = 0 norm over `rows` rows
 /// of `h` values: every block reads its row (`x_size` bytes a value), the weight and output
 /// columns it owns.
@@ -18,6 +22,21 @@ fn column_blocks(rows: usize, h: usize, x_size: usize, w_size: usize, out_size: 
         candidate_us((rows * h * w_size) as f64, (rows * h * (x_size * cb + out_size)) as f64, 0.0, blocks, k)
     };
     (1..=per_thread).filter(|cb| cb.is_power_of_two() || *cb == per_thread).map(|cb| (cb as u32, cost(cb))).fold((1, f64::MAX), |best, c| if c.1 < best.1 { c } else { best })
+}
+
+/// The predicted µs of a norm without a residual (the one [`instances`] makes: its cheapest
+/// column split).
+pub(super) fn predicted_us(cx: &Cx, op: &Op) -> Result<f64, String> {
+    let Op::RmsNorm { input, residual: None, weight, out, .. } = *op else {
+        return Err("not an rmsnorm without a residual".into());
+    };
+    let p = cx.program;
+    let h = width(p, out);
+    let size = |bf16: u32| if bf16 == 1 { 2 } else { 4 };
+    let x = size(float_flag(p.buffer(input).dtype, "the input")?);
+    let w = size(float_flag(cx.plan.weight(weight).dtype, "the weight")?);
+    let o = size(float_flag(p.buffer(out).dtype, "the output")?);
+    Ok(column_blocks(numel(p, out) / h.max(1), h, x, w, o, &cx.consts).1)
 }
 
 pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
