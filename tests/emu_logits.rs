@@ -191,3 +191,37 @@ fn kiln_run_on_the_emulator_generates_what_the_cpu_generates() {
     assert_eq!(emu, cpu, "greedy text differs between the emulator and the CPU");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Merged launches (`passes/merge.rs`: two adjacent independent decode steps' kernels in one
+/// launch) compute what the same plan compiled with `--no-merge` computes, bit for bit: every
+/// logit row of a prefill and of batch-2 decode steps on the emulator (the two plans share
+/// their memory layout, so every kernel reads and writes the same bytes).
+#[test]
+fn merged_launches_compute_the_unmerged_plans_logits_bit_for_bit() {
+    let (ckpt, ids) = golden_ids("nvfp4_groups");
+    let dir = scratch("merge");
+    let (merged, apart) = (dir.join("merged"), dir.join("apart"));
+    compile(&ckpt, "sm_120a", 2, 32, &merged);
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["compile", ckpt.to_str().unwrap(), "--target", "sm_120a", "--tp", "2", "--no-ptxas", "--no-merge"])
+        .args(["--prefill-chunk", "32", "--decode-batches", "1,2", "--max-context", "64", "-o", apart.to_str().unwrap()])
+        .output()
+        .expect("run kiln");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let concurrent = |art: &Path| {
+        let plan = kiln_runtime::plan::read_plan(art).unwrap();
+        let steps: Vec<_> = plan.programs.iter().flat_map(|p| &p.steps).filter(|s| matches!(s.op, kiln_runtime::plan::Op::Concurrent { .. })).collect();
+        let launches = plan.programs.iter().flat_map(|p| &p.steps).map(|s| s.launches.len()).sum::<usize>();
+        (steps.len(), launches)
+    };
+    let ((m, m_launches), (a, a_launches)) = (concurrent(&merged), concurrent(&apart));
+    assert!(m > 0 && a == 0, "{m} merged steps with merging, {a} without");
+    assert_eq!(a_launches - m_launches, m, "each merged step saves one launch");
+    let split = ids.len() - 3;
+    let (x, y) = (run(&merged, BackendKind::Emu, &ids, split), run(&apart, BackendKind::Emu, &ids, split));
+    assert_eq!(x.len(), y.len());
+    for (i, (r, s)) in x.iter().zip(&y).enumerate() {
+        assert!(r.iter().zip(s).all(|(a, b)| a.to_bits() == b.to_bits()), "logit row {i} differs between the merged and the unmerged plan");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -75,8 +75,10 @@ fn record(session: &mut Session, drive: impl FnOnce(&mut Session)) -> Vec<Record
         let i = p.inputs;
         let mut bufs: Vec<BufId> = step.launches.iter().flat_map(|l| &l.args).filter_map(|a| if let LaunchArg::Buffer(b) = a { Some(*b) } else { None }).collect();
         bufs.extend([i.ids, i.positions, i.token_seq, i.logit_rows]);
-        if let Op::MoeExperts { ids, .. } = step.op {
-            bufs.push(ids);
+        for op in step.op.leaves() {
+            if let Op::MoeExperts { ids, .. } = *op {
+                bufs.push(ids);
+            }
         }
         bufs.sort();
         bufs.dedup();
@@ -114,14 +116,15 @@ fn load_of(plan: &Plan, p: &Program, r: &Record) -> Load {
     let (pos, seq) = (ints(&r.values, i.positions), ints(&r.values, i.token_seq));
     let tokens = Tokens { positions: pos.iter().zip(seq).map(|(&p, &s)| (s >= 0).then_some(p as u32)).collect() };
     let step = &p.steps[r.step];
-    let experts = match step.op {
+    // (of a concurrent step, its MoE's: the load's routing is the one MoE of the step)
+    let experts = step.op.leaves().iter().find_map(|op| match *op {
         Op::MoeExperts { ids, experts_local, expert_parallel, .. } => {
             let top_k = p.buffer(ids).shape.last().copied().unwrap_or(1);
             let first = if expert_parallel { r.rank * experts_local } else { 0 };
-            Experts::count(ints(&r.values, ids), top_k, seq, first, experts_local)
+            Some(Experts::count(ints(&r.values, ids), top_k, seq, first, experts_local))
         }
-        _ => Experts::default(),
-    };
+        _ => None,
+    }).unwrap_or_default();
     let embed_rows = match step.op {
         Op::Embed { vocab_rows, .. } => {
             let lo = (r.rank * vocab_rows) as i64;
@@ -298,18 +301,20 @@ fn emulate_crafted(plan: &Plan, p: &Program, s: usize, active: usize, first: u32
     let pages: Vec<i32> = (0..seqs * pps).map(|x| if x % pps < 64 { ((x / pps) * 64 + x % pps) as i32 } else { -1 }).collect();
     let mut ints: HashMap<BufId, Vec<i32>> = HashMap::from([(i.positions, pos.clone()), (i.token_seq, seq.clone()), (i.page_table, pages)]);
     let mut experts = Experts::default();
-    match step.op {
-        Op::MlaAttention { topk: Some(b), .. } => {
-            let w = p.buffer(b).shape.last().copied().unwrap_or(1);
-            ints.insert(b, (0..t * w).map(|x| if (x % w) as i32 <= pos[x / w] { (x % w) as i32 } else { -1 }).collect());
+    for op in step.op.leaves() {
+        match *op {
+            Op::MlaAttention { topk: Some(b), .. } => {
+                let w = p.buffer(b).shape.last().copied().unwrap_or(1);
+                ints.insert(b, (0..t * w).map(|x| if (x % w) as i32 <= pos[x / w] { (x % w) as i32 } else { -1 }).collect());
+            }
+            Op::MoeExperts { ids, experts_local, .. } => {
+                let k = p.buffer(ids).shape.last().copied().unwrap_or(1);
+                let v: Vec<i32> = (0..t * k).map(|x| (((x / k) * 8 + (x % k) * 29) % plan.model.n_routed_experts) as i32).collect();
+                experts = Experts::count(&v, k, &seq, 0, experts_local);
+                ints.insert(ids, v);
+            }
+            _ => {}
         }
-        Op::MoeExperts { ids, experts_local, .. } => {
-            let k = p.buffer(ids).shape.last().copied().unwrap_or(1);
-            let v: Vec<i32> = (0..t * k).map(|x| (((x / k) * 8 + (x % k) * 29) % plan.model.n_routed_experts) as i32).collect();
-            experts = Experts::count(&v, k, &seq, 0, experts_local);
-            ints.insert(ids, v);
-        }
-        _ => {}
     }
     let kv = &plan.memory.kv;
     let mut g = GlobalMemory::new();
@@ -403,7 +408,8 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
     let plan = kiln_runtime::plan::read_plan(&dir.join("plan")).expect("plan");
     // (what, program, predicate on one of the step's launches, real tokens, first position)
     type Pick = (&'static str, &'static str, fn(&Plan, &kiln_runtime::plan::Launch) -> bool, usize, u32);
-    let picks: [Pick; 16] = [
+    let picks: [Pick; 17] = [
+        ("a merged launch: the router's selection beside the shared expert's gate/up", "decode_1", |pl, l| plan_template(pl, l) == "merged" && pl.kernel(l.kernel).parts.iter().any(|q| pl.kernel(q.kernel).template == "router"), 1, 300),
         ("rmsnorm over column blocks", "decode_1", |pl, l| plan_template(pl, l) == "rmsnorm" && param(pl, l, "CB") > 1, 1, 300),
         ("the residual add an all-reduce launches after NCCL", "decode_8", |pl, l| plan_template(pl, l) == "add", 8, 300),
         ("split-K BF16 GEMM", "decode_32", |pl, l| plan_template(pl, l) == "linear_bf16_gemm" && param(pl, l, "SPLIT") == 1 && param(pl, l, "SEGS") == 1, 32, 300),
@@ -424,7 +430,7 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
     let mut failures = Vec::new();
     for (what, program, pred, active, first) in picks {
         let p = plan.programs.iter().find(|p| p.name == program).unwrap_or_else(|| panic!("no {program}"));
-        let s = p.steps.iter().position(|st| st.launches.iter().any(|l| pred(&plan, l))).unwrap_or_else(|| panic!("{program} has no launch of the {what}"));
+        let s = p.steps.iter().position(|st| st.launches.iter().flat_map(|l| with_parts(&plan, l)).any(|l| pred(&plan, &l))).unwrap_or_else(|| panic!("{program} has no launch of the {what}"));
         let t0 = std::time::Instant::now();
         let (emulated, load) = emulate_crafted(&plan, p, s, active, first);
         for (li, emu) in emulated.iter().enumerate() {
@@ -443,6 +449,12 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
     }
     assert!(failures.is_empty(), "{} of the model's byte counts differ from the emulator's", failures.len());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A launch and, if it is merged, each of its parts as a launch of its own.
+fn with_parts(plan: &Plan, l: &kiln_runtime::plan::Launch) -> Vec<kiln_runtime::plan::Launch> {
+    let parts = plan.kernel(l.kernel).parts.iter().map(|q| kiln_runtime::plan::Launch { kernel: q.kernel, grid: q.grid, block: q.block, args: Vec::new(), ..l.clone() });
+    std::iter::once(l.clone()).chain(parts).collect()
 }
 
 fn plan_template<'a>(plan: &'a Plan, l: &kiln_runtime::plan::Launch) -> &'a str {
@@ -507,13 +519,23 @@ fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
         // are one; and one fewer for each group that normalises its input in its launch (the
         // plan's choice, counted from its steps: both at batch 1, neither from batch 4)
         let program = plan.programs.iter().find(|p| p.name == format!("decode_{batch}")).expect("decode program");
-        let normed_in_groups = program.steps.iter().filter(|s| matches!(s.op, Op::LinearGroup { norm: Some(_), .. }) && s.launches.len() == 1).count();
+        let kernels: Vec<kiln_runtime::plan::Launch> = program.steps.iter().flat_map(|s| &s.launches).flat_map(|l| with_parts(&plan, l)).collect();
+        let normed_in_groups = kernels.iter().filter(|l| plan_template(&plan, l) == "linear_bf16_gemm" && param(&plan, l, "NORM") == 1).count();
         match batch as u32 {
             1 => assert_eq!(normed_in_groups, 2 * 78),
             2 => {}
             _ => assert_eq!(normed_in_groups, 0, "{d}"),
         }
-        assert_eq!(d["launches"], 1552 + 75 + 78 + 3 * 78 + 156 - 75 - 156 - 4 * 78 - 78 - normed_in_groups, "{d}");
+        // and one fewer for each launch that runs two steps' kernels side by side: at batch 1
+        // the router's selection beside the shared expert's gate/up and the shared expert's down
+        // beside the MoE gate/up in each of the 75 MoE layers, the cache write beside q_b's
+        // group and the indexer's 1,024-thread selection beside attention's absorb in each of
+        // the 78 (counted from the plan: which pairs merge is its choice)
+        let merged = program.steps.iter().flat_map(|s| &s.launches).filter(|l| plan_template(&plan, l) == "merged").count();
+        if batch == 1.0 {
+            assert_eq!(merged, 2 * 75 + 2 * 78, "{d}");
+        }
+        assert_eq!(d["launches"], 1552 + 75 + 78 + 3 * 78 + 156 - 75 - 156 - 4 * 78 - 78 - normed_in_groups - merged, "{d}");
         // two all-reduces per layer, the embedding's and the logits' gather, and since the model
         // chose to split q_a with kv_a and the indexer's wq_b behind all-gathers, two gathers per
         // layer

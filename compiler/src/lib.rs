@@ -20,7 +20,7 @@ pub use error::CompileError;
 
 use checkpoint::Checkpoint;
 use kiln_runtime::plan::{MoeParallel, Parallelism, Plan, FORMAT_VERSION};
-use passes::{assemble, lower, memory, shard, specialize, verify};
+use passes::{assemble, lower, memory, merge, shard, specialize, verify};
 pub use passes::shard::SplitProjections;
 
 /// The most sequences one decode program may batch (and the KV plan reserve for).
@@ -46,6 +46,8 @@ pub struct CompileOptions {
     /// Assemble the kernels with ptxas when it is found (resources into the plan, cubins into
     /// the artifact).
     pub assemble: bool,
+    /// Merge the launches of adjacent independent decode steps (`passes/merge.rs`).
+    pub merge_launches: bool,
 }
 
 impl Default for CompileOptions {
@@ -61,6 +63,7 @@ impl Default for CompileOptions {
             decode_batches: vec![1, 2, 4, 8, 16, 32, 64],
             max_context: None,
             assemble: true,
+            merge_launches: true,
         }
     }
 }
@@ -168,6 +171,10 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
         kernels: Vec::new(),
     };
     lower::lower(&mut plan)?;
+    let smem_limit = lower::SMEM_LIMIT.min(plan.target.smem_per_block);
+    if opts.merge_launches {
+        merge::merge(&mut plan, smem_limit)?;
+    }
     let ptxas = if opts.assemble && plan.target.arch != kiln_runtime::plan::Arch::Cpu { assemble::find_ptxas() } else { None };
     let cubins = match &ptxas {
         Some(p) => assemble::assemble(&mut plan, p)?,

@@ -272,7 +272,8 @@ pub fn compare_cache_write(program: &Program, op: &Op, kv: &KvLayout, emu: &[u8]
         return Comparison { beyond: 1, ..Default::default() };
     }
     let ((ea, eb), (ca, cb)) = (split(emu), split(cpu));
-    let mut c = compare_rounded(kv.dtype, bf16_roundings(program, op), &Values::F32(ea), &Values::F32(ca));
+    let write = op.leaves().iter().find(|o| o.writes_kv_cache()).unwrap_or(op);
+    let mut c = compare_rounded(kv.dtype, bf16_roundings(program, write), &Values::F32(ea), &Values::F32(ca));
     c.merge(&compare_rounded(kv.dtype, 1, &Values::F32(eb), &Values::F32(cb)));
     c
 }
@@ -319,11 +320,13 @@ pub fn compare_rounded(dtype: DType, roundings: i32, emu: &Values, cpu: &Values)
     r
 }
 
-/// Compares every output of a step (`op`).
+/// Compares every output of a step (`op`; of a `Concurrent` one, each under its own op's
+/// roundings).
 pub fn compare_outputs(program: &Program, op: &Op, emu: &[(BufId, Values)], cpu: &[(BufId, Values)]) -> Comparison {
     let mut all = Comparison::default();
-    let roundings = bf16_roundings(program, op);
     for (b, e) in emu {
+        let of = op.leaves().iter().find(|o| o.writes().contains(b)).unwrap_or(op);
+        let roundings = bf16_roundings(program, of);
         match cpu.iter().find(|(x, _)| x == b) {
             Some((_, c)) => all.merge(&compare_rounded(program.buffer(*b).dtype, roundings, e, c)),
             None => all.beyond += 1,

@@ -50,6 +50,11 @@ pub struct Args {
     /// Do not assemble the kernels with ptxas even when it is found.
     #[arg(long)]
     no_ptxas: bool,
+    /// Keep every decode step's launches apart: no launch runs two steps' kernels side by side
+    /// (the merged launches compute the same bits; this is for bisecting a kernel or timing
+    /// the merge).
+    #[arg(long)]
+    no_merge: bool,
     /// Also read every weight byte and record each tensor's SHA-256 in the artifact, so
     /// `kiln verify-weights` and `--check-weights` can tell edited or damaged weights (reads the
     /// whole checkpoint once: minutes for GLM-5).
@@ -82,6 +87,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         decode_batches: a.decode_batches,
         max_context: a.max_context,
         assemble: !a.no_ptxas,
+        merge_launches: !a.no_merge,
     };
     let compiled = compile(&a.checkpoint, &opts)?;
     for w in &compiled.warnings {

@@ -68,9 +68,11 @@ fn replay(session: &mut Session, plan: &Plan, index: usize) -> anyhow::Result<Ve
     for (s, step) in p.steps.iter().enumerate() {
         if !step.launches.is_empty() && step.kernel != KernelFamily::Collective {
             let mut args: Vec<BufId> = step.launches.iter().flat_map(|l| &l.args).filter_map(|a| if let LaunchArg::Buffer(b) = a { Some(*b) } else { None }).collect();
-            if let Op::MoeExperts { ids, .. } = step.op {
-                // The MoE byte report needs the routing and which tokens are real.
-                args.extend([ids, p.inputs.token_seq]);
+            for op in step.op.leaves() {
+                if let Op::MoeExperts { ids, .. } = *op {
+                    // The MoE byte report needs the routing and which tokens are real.
+                    args.extend([ids, p.inputs.token_seq]);
+                }
             }
             args.sort();
             args.dedup();
@@ -244,10 +246,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 }
                 cmp.merge(&c);
                 // An MoE step needs only the experts its tokens selected.
-                let weights_needed = match &step.op {
-                    Op::MoeExperts { .. } => moe_selected_bytes(&plan, p, &step.op, &value, rank),
-                    _ => out.weight_bytes,
-                };
+                let weights_needed = step.op.leaves().iter().filter(|op| matches!(op, Op::MoeExperts { .. })).fold(out.weight_bytes, |bytes, op| {
+                    let all: u64 = op.weight_ids().iter().map(|&w| plan.weight(w).bytes).sum();
+                    bytes - all.min(bytes) + moe_selected_bytes(&plan, p, op, &value, rank)
+                });
                 read += out.bytes_read;
                 compulsory += out.compulsory_read - out.weight_bytes + weights_needed;
                 weight_read += out.weight_read;
@@ -275,7 +277,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             } else {
                 format!("{read} / {compulsory}")
             };
-            println!("  {s:>4}  {:<18}{:<14}{:>11.3e}{:>11.3e}  {status:<6}{bytes}", step.op.name(), step.kernel.name(), cmp.max_abs, cmp.max_rel);
+            // a concurrent step: its ops and the kernel families of its launches' parts
+            let (op_name, family) = match &step.op {
+                Op::Concurrent { ops } => {
+                    let mut families: Vec<&str> = step.launches.iter().flat_map(|l| {
+                        let k = plan.kernel(l.kernel);
+                        if k.parts.is_empty() { vec![k.family.name()] } else { k.parts.iter().map(|q| plan.kernel(q.kernel).family.name()).collect() }
+                    }).collect();
+                    families.dedup();
+                    (ops.iter().map(Op::name).collect::<Vec<_>>().join("+"), families.join("+"))
+                }
+                op => (op.name().to_string(), step.kernel.name().to_string()),
+            };
+            println!("  {s:>4}  {op_name:<18}{family:<14}{:>11.3e}{:>11.3e}  {status:<6}{bytes}", cmp.max_abs, cmp.max_rel);
         }
     }
     println!("\n{checked} launched steps checked");

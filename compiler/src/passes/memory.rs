@@ -29,7 +29,14 @@ pub fn plan_workspace(program: &mut Program) -> u64 {
     let n = program.buffers.len();
     let mut first = vec![usize::MAX; n];
     let mut last = vec![0usize; n];
+    // steps whose launches lowering may merge (`merge::may_share_a_launch`) count as one time:
+    // their buffers are live together, so none takes another's bytes
+    let mut time = 0;
     for (i, step) in program.steps.iter().enumerate() {
+        if i > 0 && !super::merge::may_share_a_launch(program, &program.steps[i - 1].op, &step.op) {
+            time += 1;
+        }
+        let i = time;
         for b in step.op.reads().into_iter().chain(step.op.writes()) {
             let b = b.0 as usize;
             first[b] = first[b].min(i);

@@ -3,6 +3,7 @@
 pub mod assemble;
 pub mod lower;
 pub mod memory;
+pub mod merge;
 pub mod shard;
 pub mod specialize;
 pub mod verify;

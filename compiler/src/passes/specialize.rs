@@ -116,6 +116,25 @@ fn norms_into_groups(steps: &mut Vec<Step>) {
     }
 }
 
+/// Decode: a cache write moves up to just after the step that writes its inputs (past the q_b
+/// group and the gather after it), next to a launch it does not depend on, which lowering may
+/// merge with its own. It passes only steps that neither write its inputs nor touch the cache
+/// (no step that reads or writes the cache is passed).
+fn cache_writes_up(steps: &mut [Step]) {
+    let touches_cache = |op: &Op| op.writes_kv_cache() || matches!(op, Op::IndexerTopK { .. } | Op::MlaAttention { .. });
+    for i in 1..steps.len() {
+        if !matches!(steps[i].op, Op::KvCacheWrite { .. }) {
+            continue;
+        }
+        let inputs = steps[i].op.reads();
+        let mut at = i;
+        while at > 0 && !touches_cache(&steps[at - 1].op) && !steps[at - 1].op.writes().iter().any(|b| inputs.contains(b)) {
+            at -= 1;
+        }
+        steps[at..=i].rotate_right(1);
+    }
+}
+
 /// Instantiates the sharded graph for one bucket (buffer offsets are assigned by the memory pass).
 pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
     let size = |d: &Dim| match *d {
@@ -153,6 +172,7 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
         residual_adds_into_all_reduces(&mut steps);
         group_linears_sharing_input(&mut steps);
         norms_into_groups(&mut steps);
+        cache_writes_up(&mut steps);
     }
     let i = graph.inputs;
     let name = match bucket.kind {

@@ -70,6 +70,11 @@ fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -
         }
     };
     match op {
+        Op::Concurrent { ops } => {
+            for o in ops {
+                check_shapes(p, o, slots, cfg)?;
+            }
+        }
         Op::LinearGroup { members, .. } => {
             if members.is_empty() {
                 return Err("a linear group without members".into());

@@ -485,7 +485,7 @@ fn scratch_bound(plan: &Plan) -> (usize, usize) {
     f32s = f32s.max(m.hidden_size + 2 * m.n_routed_experts + 2 * m.n_group.max(1));
     for p in &plan.programs {
         for step in &p.steps {
-            let need = match step.op {
+            let need = step.op.leaves().iter().map(|op| match *op {
                 Op::Linear { k, .. } | Op::LinearGroup { k, .. } => k,
                 Op::MoeExperts { hidden, intermediate, .. } => hidden.max(intermediate),
                 Op::MlaAttention { topk, .. } => {
@@ -494,7 +494,7 @@ fn scratch_bound(plan: &Plan) -> (usize, usize) {
                     (nope + dv) * r + m.qk_rope_head_dim + selected + 2 * r.max(nope).max(dv)
                 }
                 _ => 0,
-            };
+            }).max().unwrap_or(0);
             f32s = f32s.max(need);
         }
     }
@@ -773,6 +773,11 @@ impl Rank {
                 self.f[out.0 as usize] = o;
             }
             Op::AllReduce { .. } | Op::AllGather { .. } => return Err(RuntimeError::internal("collective executed on one rank")),
+            Op::Concurrent { ref ops } => {
+                for op in ops {
+                    self.exec(cx, op)?;
+                }
+            }
         }
         Ok(())
     }

@@ -91,6 +91,12 @@ fn check_op(plan: &Plan, p: &Program, op: &Op) -> Result<(), String> {
     };
     let layer = |l: usize| if l < kv.layers { Ok(()) } else { Err(format!("layer {l} of a {}-layer cache", kv.layers)) };
     match *op {
+        Op::Concurrent { ref ops } => {
+            if ops.len() < 2 || ops.iter().any(|o| matches!(o, Op::Concurrent { .. } | Op::AllReduce { .. } | Op::AllGather { .. })) {
+                return Err("a concurrent step holds two or more ops, none a collective or concurrent".into());
+            }
+            ops.iter().try_for_each(|o| check_op(plan, p, o))
+        }
         Op::LinearGroup { ref members, .. } => {
             if members.is_empty() {
                 return Err("a linear group without members".into());

@@ -122,9 +122,41 @@ fn ceil_div(a: f64, b: f64) -> f64 {
     (a / b).ceil()
 }
 
-/// The cost of launch `li` of `step` under `load` (one rank).
+impl Cost {
+    pub fn add(&mut self, o: &Cost) {
+        self.bytes.add(&o.bytes);
+        self.compulsory.add(&o.compulsory);
+        self.flops.add(&o.flops);
+        self.blocks += o.blocks;
+    }
+}
+
+/// The cost of launch `li` of `step` under `load` (one rank); a merged launch's is its parts'
+/// summed ([`launch_part_costs`]).
 pub fn launch_cost(plan: &Plan, step: &Step, li: usize, load: &Load) -> Result<Cost, String> {
+    let mut sum = Cost::default();
+    for c in launch_part_costs(plan, step, li, load)? {
+        sum.add(&c);
+    }
+    Ok(sum)
+}
+
+/// The cost of each kernel launch `li` of `step` runs: a merged launch's parts, each on its own
+/// grid, else the launch alone.
+pub fn launch_part_costs(plan: &Plan, step: &Step, li: usize, load: &Load) -> Result<Vec<Cost>, String> {
     let l = step.launches.get(li).ok_or_else(|| format!("step has no launch {li}"))?;
+    let parts = &plan.kernel(l.kernel).parts;
+    if parts.is_empty() {
+        return Ok(vec![kernel_cost(plan, l, load)?]);
+    }
+    parts
+        .iter()
+        .map(|part| kernel_cost(plan, &Launch { kernel: part.kernel, grid: part.grid, block: part.block, smem_dynamic: l.smem_dynamic, args: Vec::new() }, load))
+        .collect()
+}
+
+/// The cost of one template kernel's launch `l`.
+fn kernel_cost(plan: &Plan, l: &Launch, load: &Load) -> Result<Cost, String> {
     let k = plan.kernel(l.kernel);
     let p = Params(k);
     let grid = l.grid.iter().map(|&g| g as f64).product::<f64>();

@@ -16,7 +16,7 @@
 pub mod kernels;
 pub mod load;
 
-pub use kernels::{launch_cost, Bytes, Class, Cost, Flops};
+pub use kernels::{launch_cost, launch_part_costs, Bytes, Class, Cost, Flops};
 pub use load::{Experts, Load, Tokens};
 
 use crate::plan::{Arch, KernelId, MoeParallel, Op, Plan, Program, ProgramKind, Target};
@@ -134,6 +134,18 @@ pub fn launch_time(c: &Cost, k: &Constants) -> Timing {
     let compute_us = units.iter().map(|u| u.1).sum::<f64>() / occupancy;
     let bound = if memory_us >= compute_us { Bound::Memory } else { units.iter().max_by(|a, b| a.1.total_cmp(&b.1)).map_or(Bound::Memory, |u| u.0) };
     Timing { us: memory_us.max(compute_us) + k.launch_us, memory_us, compute_us, occupancy, bound }
+}
+
+/// A merged launch's time: its parts' summed bytes and FLOPs over their summed blocks, but no
+/// less than its slowest part would take alone (a one-block part is not sped up by sharing the
+/// launch with a wide one).
+pub fn merged_time(parts: &[Cost], k: &Constants) -> Timing {
+    let mut sum = Cost::default();
+    for c in parts {
+        sum.add(c);
+    }
+    let together = launch_time(&sum, k);
+    parts.iter().map(|c| launch_time(c, k)).fold(together, |t, alone| if alone.us > t.us { alone } else { t })
 }
 
 /// What a launch cannot beat: its distinct bytes at full bandwidth on every SM, or its FLOPs at
@@ -267,8 +279,9 @@ pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constant
             _ => {}
         }
         for (li, l) in step.launches.iter().enumerate() {
+            let parts = launch_part_costs(plan, step, li, load).map_err(|e| format!("{} step {s} ({}): {e}", program.name, step.op.name()))?;
             let cost = launch_cost(plan, step, li, load).map_err(|e| format!("{} step {s} ({}): {e}", program.name, step.op.name()))?;
-            launches.push(LaunchPerf { step: s, launch: li, kernel: l.kernel, cost, time: launch_time(&cost, k) });
+            launches.push(LaunchPerf { step: s, launch: li, kernel: l.kernel, cost, time: merged_time(&parts, k) });
         }
     }
     Ok(ProgramPerf { launches, collectives })

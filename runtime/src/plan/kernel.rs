@@ -23,6 +23,26 @@ pub struct KernelInfo {
     pub ptx: String,
     /// Resource usage reported by `ptxas -v` (None when ptxas was not found at compile time).
     pub resources: Option<Resources>,
+    /// A merged kernel's parts, in block order (empty for a template's own kernel): the blocks
+    /// `[sum of earlier parts' blocks, + this part's)` of the merged launch run `kernel`'s code
+    /// on its grid, with the next `args` arguments of the launch.
+    pub parts: Vec<KernelPart>,
+}
+
+/// One kernel of a merged kernel (see [`KernelInfo::parts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KernelPart {
+    pub kernel: KernelId,
+    pub grid: [u32; 3],
+    /// The part's own block (the merged launch's is the largest part's).
+    pub block: [u32; 3],
+    pub args: u32,
+}
+
+impl KernelPart {
+    pub fn blocks(&self) -> u32 {
+        self.grid.iter().product()
+    }
 }
 
 /// What ptxas reported for one kernel.

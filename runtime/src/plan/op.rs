@@ -105,6 +105,10 @@ pub enum Op {
     /// For each pair, concatenate each rank's `input` columns in rank order into `out` on every
     /// rank (row by row); several pairs share one collective.
     AllGather { pairs: Vec<GatherPair> },
+    /// Ops of adjacent steps that do not depend on each other, in their program order, made one
+    /// step by lowering where it merged the last launch of one with the first of the next into
+    /// one launch (`passes/merge.rs`). The CPU runs them in order; nothing else nests.
+    Concurrent { ops: Vec<Op> },
 }
 
 /// The RMSNorm (no residual) an [`Op::LinearGroup`] applies to its input first.
@@ -181,9 +185,18 @@ impl LinearWeights {
 }
 
 impl Op {
+    /// The ops this one is made of: a `Concurrent`'s, in order, else itself.
+    pub fn leaves(&self) -> &[Op] {
+        match self {
+            Op::Concurrent { ops } => ops,
+            op => std::slice::from_ref(op),
+        }
+    }
+
     /// Activation buffers the op reads (program inputs such as positions are implicit).
     pub fn reads(&self) -> Vec<BufId> {
         match self {
+            Op::Concurrent { ops } => ops.iter().flat_map(Op::reads).collect(),
             Op::Embed { ids, .. } => vec![*ids],
             Op::RmsNorm { input, residual, .. } => std::iter::once(*input).chain(*residual).collect(),
             Op::Linear { input, .. } | Op::LinearGroup { input, .. } => vec![*input],
@@ -202,6 +215,7 @@ impl Op {
     /// Activation buffers the op writes (cache writes go to the KV cache, not a buffer).
     pub fn writes(&self) -> Vec<BufId> {
         match self {
+            Op::Concurrent { ops } => ops.iter().flat_map(Op::writes).collect(),
             Op::Embed { out, .. }
             | Op::Linear { out, .. }
             | Op::Add { out, .. }
@@ -220,13 +234,14 @@ impl Op {
 
     /// Whether the op writes the KV cache (its result is there, not in a buffer).
     pub fn writes_kv_cache(&self) -> bool {
-        matches!(self, Op::KvCacheWrite { .. })
+        self.leaves().iter().any(|op| matches!(op, Op::KvCacheWrite { .. }))
     }
 
     /// Written buffers that are only kernel scratch: their contents are not a result of the op
     /// (the CPU backend leaves them alone; `verify` does not compare them).
     pub fn scratch(&self) -> Vec<BufId> {
         match self {
+            Op::Concurrent { ops } => ops.iter().flat_map(Op::scratch).collect(),
             Op::MoeExperts { mid, acc, .. } => vec![*mid, *acc],
             Op::Router { logits, .. } => vec![*logits],
             Op::IndexerTopK { scores, .. } => vec![*scores],
@@ -245,6 +260,7 @@ impl Op {
     /// Weight slots the op reads.
     pub fn weight_ids(&self) -> Vec<WeightId> {
         match self {
+            Op::Concurrent { ops } => ops.iter().flat_map(Op::weight_ids).collect(),
             Op::Embed { table, .. } => vec![*table],
             Op::RmsNorm { weight, .. } => vec![*weight],
             Op::Linear { weights, .. } => weights.ids(),
@@ -303,6 +319,7 @@ impl Op {
             Op::GatherRows { .. } => "gather_rows",
             Op::AllReduce { .. } => "all_reduce",
             Op::AllGather { .. } => "all_gather",
+            Op::Concurrent { .. } => "concurrent",
         }
     }
 }

@@ -60,6 +60,9 @@ pub enum KernelFamily {
     /// (`p2p_collective`), which the CUDA runtime uses only where every GPU pair passed the peer
     /// probe.
     Collective,
+    /// A `Concurrent` step: its ops' kernels, one launch of which runs two ops' kernels side by
+    /// side (a merged kernel, `KernelInfo::parts`).
+    Merged,
 }
 
 impl KernelFamily {
@@ -78,6 +81,7 @@ impl KernelFamily {
             KernelFamily::Add => "add",
             KernelFamily::GatherRows => "gather_rows",
             KernelFamily::Collective => "collective",
+            KernelFamily::Merged => "merged",
         }
     }
 }

@@ -39,8 +39,9 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     if too_wide(latent) || too_wide(rope) || too_wide(index) || rope > index {
         return Err(format!("a cache row of {latent} | {rope} | {index} values is outside one warp's registers"));
     }
-    // Two warps per token (MLA part, indexer key); a small batch gets one block of exactly its warps.
-    let threads = (tokens as u32 * 64).min(THREADS);
+    // Two warps per token (MLA part, indexer key); full blocks even at batch 1 (the idle warps
+    // exit), so that its launch may merge with a GEMM's (`passes/merge.rs`: equal blocks).
+    let threads = THREADS;
     let grid = (tokens as u32 * 64).div_ceil(threads);
     let weight = |w, what| float_flag(cx.plan.weight(w).dtype, what);
     let params = KvCacheWriteParams {

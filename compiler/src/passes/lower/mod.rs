@@ -198,6 +198,7 @@ pub fn lower(plan: &mut Plan) -> Result<(), CompileError> {
                                     params: inst.values.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
                                     ptx,
                                     resources: None,
+                                    parts: Vec::new(),
                                 });
                                 by_name.insert(name, id);
                                 id
