@@ -661,19 +661,8 @@ fn decode_projections_of_the_same_activations_are_one_launch() {
             let Some(Op::LinearGroup { members, norm, .. }) = step.op.leaves().iter().find(|op| matches!(op, Op::LinearGroup { .. })) else { continue };
             // the group's launches: a merged launch's parts count as their own launches (the
             // cache write moved up beside q_b's group shares its first launch)
-            let launches: Vec<kiln_runtime::plan::Launch> = step
-                .launches
-                .iter()
-                .flat_map(|l| {
-                    let parts = &plan.kernel(l.kernel).parts;
-                    if parts.is_empty() {
-                        vec![l.clone()]
-                    } else {
-                        parts.iter().map(|q| kiln_runtime::plan::Launch { kernel: q.kernel, grid: q.grid, block: q.block, args: Vec::new(), ..l.clone() }).collect()
-                    }
-                })
-                .filter(|l| plan.kernel(l.kernel).template != "kv_cache_write")
-                .collect();
+            let launches: Vec<kiln_runtime::plan::Launch> =
+                step.launches.iter().flat_map(|l| plan.part_launches(l)).filter(|l| plan.kernel(l.kernel).template != "kv_cache_write").collect();
             let step = kiln_runtime::plan::Step { op: step.op.clone(), kernel: step.kernel, launches };
             let names: Vec<String> = members.iter().map(|g| slot(g.weight)).collect();
             let ends: Vec<&str> = names.iter().map(|n| n.rsplit_once(".self_attn.").map_or(n.as_str(), |(_, e)| e)).collect();

@@ -453,7 +453,7 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
 
 /// A launch and, if it is merged, each of its parts as a launch of its own.
 fn with_parts(plan: &Plan, l: &kiln_runtime::plan::Launch) -> Vec<kiln_runtime::plan::Launch> {
-    let parts = plan.kernel(l.kernel).parts.iter().map(|q| kiln_runtime::plan::Launch { kernel: q.kernel, grid: q.grid, block: q.block, args: Vec::new(), ..l.clone() });
+    let parts = if plan.kernel(l.kernel).parts.is_empty() { Vec::new() } else { plan.part_launches(l) };
     std::iter::once(l.clone()).chain(parts).collect()
 }
 

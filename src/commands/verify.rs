@@ -280,10 +280,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             // a concurrent step: its ops and the kernel families of its launches' parts
             let (op_name, family) = match &step.op {
                 Op::Concurrent { ops } => {
-                    let mut families: Vec<&str> = step.launches.iter().flat_map(|l| {
-                        let k = plan.kernel(l.kernel);
-                        if k.parts.is_empty() { vec![k.family.name()] } else { k.parts.iter().map(|q| plan.kernel(q.kernel).family.name()).collect() }
-                    }).collect();
+                    let mut families: Vec<&str> = step.launches.iter().flat_map(|l| plan.part_launches(l)).map(|q| plan.kernel(q.kernel).family.name()).collect();
                     families.dedup();
                     (ops.iter().map(Op::name).collect::<Vec<_>>().join("+"), families.join("+"))
                 }

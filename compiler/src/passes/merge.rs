@@ -22,8 +22,8 @@ use std::collections::BTreeMap;
 /// buffers apart.
 pub fn may_share_a_launch(p: &Program, a: &Op, b: &Op) -> bool {
     let collective = |o: &Op| o.leaves().iter().any(|o| matches!(o, Op::AllReduce { .. } | Op::AllGather { .. }));
-    let (aw, bw) = (a.writes(), b.writes());
-    matches!(p.kind, ProgramKind::Decode { .. }) && !collective(a) && !collective(b) && !bw.iter().any(|x| aw.contains(x) || a.reads().contains(x))
+    let (aw, ar) = (a.writes(), a.reads());
+    matches!(p.kind, ProgramKind::Decode { .. }) && !collective(a) && !collective(b) && !b.writes().iter().any(|x| aw.contains(x) || ar.contains(x))
 }
 
 /// Merges the launches of adjacent independent steps in every program of a GPU plan.
@@ -67,11 +67,11 @@ fn merge_program(plan: &mut Plan, program: &mut Program, by_name: &mut BTreeMap<
     Ok(())
 }
 
-/// Whether `b`'s first launch may run beside `a`'s last (see the module comment).
+/// Whether `b`'s first launch may run beside `a`'s last (see the module comment), for steps
+/// that [`may_share_a_launch`].
 fn independent(plan: &Plan, p: &Program, a: &Step, b: &Step, sms: u32) -> bool {
-    let collective = |st: &Step| st.op.leaves().iter().any(|o| matches!(o, Op::AllReduce { .. } | Op::AllGather { .. }));
     let (Some(la), Some(lb)) = (a.launches.last(), b.launches.first()) else { return false };
-    if collective(a) || collective(b) || la.block[1..] != [1, 1] || lb.block[1..] != [1, 1] {
+    if la.block[1..] != [1, 1] || lb.block[1..] != [1, 1] {
         return false;
     }
     // blocks of different sizes: the merged block is the larger, so the smaller kernel's blocks

@@ -93,6 +93,18 @@ pub struct Cost {
 }
 
 impl Cost {
+    /// The costs summed (a merged launch's parts).
+    pub fn sum(parts: &[Cost]) -> Cost {
+        let mut s = Cost::default();
+        for c in parts {
+            s.bytes.add(&c.bytes);
+            s.compulsory.add(&c.compulsory);
+            s.flops.add(&c.flops);
+            s.blocks += c.blocks;
+        }
+        s
+    }
+
     fn read(&mut self, class: Class, unique: f64, times: f64) {
         *self.bytes.class(class) += unique * times;
         *self.compulsory.class(class) += unique.min(unique * times);
@@ -122,37 +134,17 @@ fn ceil_div(a: f64, b: f64) -> f64 {
     (a / b).ceil()
 }
 
-impl Cost {
-    pub fn add(&mut self, o: &Cost) {
-        self.bytes.add(&o.bytes);
-        self.compulsory.add(&o.compulsory);
-        self.flops.add(&o.flops);
-        self.blocks += o.blocks;
-    }
-}
-
 /// The cost of launch `li` of `step` under `load` (one rank); a merged launch's is its parts'
 /// summed ([`launch_part_costs`]).
 pub fn launch_cost(plan: &Plan, step: &Step, li: usize, load: &Load) -> Result<Cost, String> {
-    let mut sum = Cost::default();
-    for c in launch_part_costs(plan, step, li, load)? {
-        sum.add(&c);
-    }
-    Ok(sum)
+    Ok(Cost::sum(&launch_part_costs(plan, step, li, load)?))
 }
 
 /// The cost of each kernel launch `li` of `step` runs: a merged launch's parts, each on its own
 /// grid, else the launch alone.
 pub fn launch_part_costs(plan: &Plan, step: &Step, li: usize, load: &Load) -> Result<Vec<Cost>, String> {
     let l = step.launches.get(li).ok_or_else(|| format!("step has no launch {li}"))?;
-    let parts = &plan.kernel(l.kernel).parts;
-    if parts.is_empty() {
-        return Ok(vec![kernel_cost(plan, l, load)?]);
-    }
-    parts
-        .iter()
-        .map(|part| kernel_cost(plan, &Launch { kernel: part.kernel, grid: part.grid, block: part.block, smem_dynamic: l.smem_dynamic, args: Vec::new() }, load))
-        .collect()
+    plan.part_launches(l).iter().map(|part| kernel_cost(plan, part, load)).collect()
 }
 
 /// The cost of one template kernel's launch `l`.

@@ -140,11 +140,7 @@ pub fn launch_time(c: &Cost, k: &Constants) -> Timing {
 /// less than its slowest part would take alone (a one-block part is not sped up by sharing the
 /// launch with a wide one).
 pub fn merged_time(parts: &[Cost], k: &Constants) -> Timing {
-    let mut sum = Cost::default();
-    for c in parts {
-        sum.add(c);
-    }
-    let together = launch_time(&sum, k);
+    let together = launch_time(&Cost::sum(parts), k);
     parts.iter().map(|c| launch_time(c, k)).fold(together, |t, alone| if alone.us > t.us { alone } else { t })
 }
 
@@ -280,7 +276,7 @@ pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constant
         }
         for (li, l) in step.launches.iter().enumerate() {
             let parts = launch_part_costs(plan, step, li, load).map_err(|e| format!("{} step {s} ({}): {e}", program.name, step.op.name()))?;
-            let cost = launch_cost(plan, step, li, load).map_err(|e| format!("{} step {s} ({}): {e}", program.name, step.op.name()))?;
+            let cost = Cost::sum(&parts);
             launches.push(LaunchPerf { step: s, launch: li, kernel: l.kernel, cost, time: merged_time(&parts, k) });
         }
     }

@@ -39,12 +39,6 @@ pub struct KernelPart {
     pub args: u32,
 }
 
-impl KernelPart {
-    pub fn blocks(&self) -> u32 {
-        self.grid.iter().product()
-    }
-}
-
 /// What ptxas reported for one kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Resources {

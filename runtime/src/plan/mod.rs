@@ -72,6 +72,16 @@ impl Plan {
         &self.kernels[id.0 as usize]
     }
 
+    /// The template kernels launch `l` runs: a merged launch's parts, each as a launch of its
+    /// own grid and block (without arguments), else `l` itself.
+    pub fn part_launches(&self, l: &Launch) -> Vec<Launch> {
+        let parts = &self.kernel(l.kernel).parts;
+        if parts.is_empty() {
+            return vec![l.clone()];
+        }
+        parts.iter().map(|q| Launch { kernel: q.kernel, grid: q.grid, block: q.block, smem_dynamic: l.smem_dynamic, args: Vec::new() }).collect()
+    }
+
     pub fn weight(&self, id: WeightId) -> &WeightSlot {
         &self.weights[id.0 as usize]
     }
