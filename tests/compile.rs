@@ -602,40 +602,50 @@ fn inspect_reports_memory_programs_and_sharding() {
 }
 
 #[test]
-fn decode_all_reduces_take_over_the_residual_add_and_the_p2p_kernel_does_it() {
+fn decode_all_reduces_take_over_the_residual_add_and_norm_and_the_p2p_kernel_does_them() {
     use kiln_runtime::plan::{read_plan, KernelFamily, Op, ProgramKind};
     // the shipped GLM-5 plan (tp 8): every all-reduce whose sum the next rmsnorm adds into the
     // residual, at decode, carries that add (2 per layer; the embedding's is followed by the first
     // norm, which has no residual yet); prefill keeps it in its one-block-per-row norm. The norm
-    // is a step of its own (before the MoE) or the norm of the linear group after it (the input
-    // norm of q_a, kv_a and the indexer's projections)
+    // then is the all-reduce's own (the norm before the MoE, and the final norm: one per layer and
+    // one) or the norm of the linear group after it (the input norm of q_a, kv_a and the
+    // indexer's projections)
     let art = Path::new(env!("CARGO_MANIFEST_DIR")).join("artifacts/GLM-5-NVFP4-sm120a-tp8");
     let plan = read_plan(&art).unwrap();
     for p in &plan.programs {
         let fused: Vec<usize> = (0..p.steps.len()).filter(|&s| matches!(p.steps[s].op, Op::AllReduce { residual: Some(_), .. })).collect();
         let decode = matches!(p.kind, ProgramKind::Decode { .. });
         assert_eq!(fused.len(), if decode { 2 * plan.model.num_hidden_layers } else { 0 }, "{}", p.name);
+        let normed = fused.iter().filter(|&&s| matches!(p.steps[s].op, Op::AllReduce { norm: Some(_), .. })).count();
+        assert_eq!(normed, if decode { plan.model.num_hidden_layers + 1 } else { 0 }, "{}", p.name);
         for &s in &fused {
-            let (Op::AllReduce { buf, residual: Some(r) }, Op::RmsNorm { input, residual: None, .. } | Op::LinearGroup { input, norm: Some(_), .. }) = (&p.steps[s].op, &p.steps[s + 1].op) else {
-                panic!("{} step {s}: not an all-reduce with a residual before a norm of it", p.name);
-            };
-            assert_eq!(input, r, "{} step {s}: the norm normalises the residual", p.name);
+            let Op::AllReduce { buf, residual: Some(r), norm } = &p.steps[s].op else { unreachable!("filtered") };
+            match (norm, &p.steps[s + 1].op) {
+                (Some(n), _) => assert_eq!(p.steps[s].op.residual_norm().map(|o| o.reads()), Some(vec![*r]), "{} step {s}: {n:?}", p.name),
+                (None, Op::LinearGroup { input, norm: Some(_), .. }) => assert_eq!(input, r, "{} step {s}: the group normalises the residual", p.name),
+                (None, next) => panic!("{} step {s}: an all-reduce with a residual before {next:?}, not a norm of it", p.name),
+            }
             let families: Vec<(KernelFamily, &str)> = p.steps[s].launches.iter().map(|l| (plan.kernel(l.kernel).family, plan.kernel(l.kernel).template.as_str())).collect();
-            // one token of hidden 6144 is 12 KiB: batches up to 4 fit the P2P kernel (with ADD),
-            // then the add the NCCL path launches after the collective
+            // one token of hidden 6144 is 12 KiB: batches up to 4 fit the P2P kernel (with ADD,
+            // and NORM where it took the norm over), then the add and the norm the NCCL path
+            // launches after the collective
             let p2p = p.buffer(*buf).bytes <= kiln_runtime::plan::P2P_MAX_BYTES;
-            let want: Vec<(KernelFamily, &str)> = if p2p { vec![(KernelFamily::Collective, "p2p_collective"), (KernelFamily::Add, "add")] } else { vec![(KernelFamily::Add, "add")] };
+            let mut want: Vec<(KernelFamily, &str)> = if p2p { vec![(KernelFamily::Collective, "p2p_collective"), (KernelFamily::Add, "add")] } else { vec![(KernelFamily::Add, "add")] };
+            if norm.is_some() {
+                want.push((KernelFamily::RmsNorm, "rmsnorm"));
+            }
             assert_eq!(families, want, "{} step {s}", p.name);
             assert_eq!(p.steps[s].p2p_collective(&plan), p2p, "{} step {s}", p.name);
-            assert_eq!(p.steps[s].after_collective(&plan).len(), 1, "{} step {s}", p.name);
+            assert_eq!(p.steps[s].after_collective(&plan).len(), 1 + norm.is_some() as usize, "{} step {s}", p.name);
             if p2p {
                 let k = plan.kernel(p.steps[s].launches[0].kernel);
-                assert!(k.params.iter().any(|(n, v)| n == "ADD" && *v == 1), "{}: {}", p.name, k.name);
+                let param = |name: &str| k.params.iter().find(|(n, _)| n == name).map(|(_, v)| *v);
+                assert_eq!((param("ADD"), param("NORM")), (Some(1), Some(norm.is_some() as u64)), "{}: {}", p.name, k.name);
             }
-            // the norm after it launches the norm alone (a group: the norm's launch, if any, first)
-            if matches!(p.steps[s + 1].op, Op::RmsNorm { .. }) {
-                assert!(p.steps[s + 1].launches.iter().all(|l| plan.kernel(l.kernel).family == KernelFamily::RmsNorm), "{} step {}", p.name, s + 1);
-            }
+        }
+        // no norm of the residual is left a step of its own at decode
+        if decode {
+            assert!(!p.steps.iter().any(|st| matches!(st.op, Op::RmsNorm { .. })), "{}", p.name);
         }
     }
 }

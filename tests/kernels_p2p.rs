@@ -4,13 +4,16 @@
 //! epoch advancing, a rank running ahead of its peers), BF16 and F32, 2, 3 and 8 ranks, from 16 B
 //! to the 64 KiB limit. Every rank must end with the sum bit for bit: f32 additions in
 //! rank order 0, 1, ..., rounded once (the CPU backend's all-reduce), or each row of every rank
-//! side by side in rank order (NCCL's all-gather row by row, the CPU backend's).
+//! side by side in rank order (NCCL's all-gather row by row, the CPU backend's); an all-reduce
+//! that adds into the residual and normalises it must write the CPU reference's rmsnorm of the
+//! updated residual bit for bit (the norm step it took over).
 //! A rank whose peer never arrives traps after SPINS polls instead of waiting forever.
 
 mod common;
 use common::{bytes, floats, randn};
 use kiln_compiler::kernels::P2pCollectiveParams;
 use kiln_compiler::passes::lower::P2P_SPINS;
+use kiln_runtime::cpu::reference;
 use kiln_runtime::emu::{launch_with_peers, GlobalMemory, KernelArg, Module, GLOBAL_BASE};
 use kiln_runtime::numerics::{bf16_to_f32, f32_to_bf16};
 use kiln_runtime::plan::{P2pLayout, P2P_MAX_BYTES};
@@ -36,6 +39,9 @@ enum Round {
     /// An all-reduce in place that then adds the sum into a residual (the same on every rank, as
     /// the residual stream is): `residual = round(residual + sum)`.
     ReduceAdd,
+    /// `ReduceAdd`, then the rmsnorm of the updated residual's rows of `h` values into a buffer
+    /// of its own (weight and output BF16 or F32).
+    ReduceAddNorm { h: usize, w_bf16: bool, out_bf16: bool },
     /// An all-gather of rows of `width` values: every rank's row side by side in rank order; with
     /// `second` = (values, width), a second buffer gathered by the same kernel.
     Gather { width: usize, second: Option<(usize, usize)> },
@@ -48,6 +54,18 @@ fn gather(width: usize) -> Round {
 /// Every rank runs `kinds` back to back on `n` values of its own (BF16 or F32), each round a
 /// kernel of its own sharing the one region and epoch, as the plan's collectives do.
 fn rounds(ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
+    rounds_of(256, ranks, n, bf16, kinds, seed)
+}
+
+/// The norm's epsilon in these tests.
+const EPS: f32 = 1e-5;
+
+/// [`rounds`] with blocks of `threads` threads.
+fn rounds_of(threads: u32, ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
+    let norm_of = |kind: &Round| match *kind {
+        Round::ReduceAddNorm { h, w_bf16, out_bf16 } => Some((h, w_bf16, out_bf16)),
+        _ => None,
+    };
     let size = if bf16 { 2 } else { 4 };
     let layout = P2pLayout { ranks: ranks as u64 };
     let second = |kind: &Round| match *kind {
@@ -59,7 +77,7 @@ fn rounds(ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
         .map(|kind| {
             let (n2, width2) = second(kind);
             let (gather, row) = match *kind {
-                Round::Reduce | Round::ReduceAdd => (0, n * size),
+                Round::Reduce | Round::ReduceAdd | Round::ReduceAddNorm { .. } => (0, n * size),
                 Round::Gather { width, .. } => (1, width * size),
             };
             let params = P2pCollectiveParams {
@@ -71,11 +89,15 @@ fn rounds(ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
                 row: row as u32,
                 row2: if n2 > 0 { (width2 * size) as u32 } else { row as u32 },
                 bf16: bf16 as u32,
-                add: matches!(kind, Round::ReduceAdd) as u32,
+                add: matches!(kind, Round::ReduceAdd | Round::ReduceAddNorm { .. }) as u32,
+                norm: norm_of(kind).is_some() as u32,
+                h: norm_of(kind).map_or(1, |n| n.0 as u32),
+                w_bf16: norm_of(kind).is_some_and(|n| n.1) as u32,
+                out_bf16: norm_of(kind).is_some_and(|n| n.2) as u32,
                 slot: P2P_MAX_BYTES as u32,
                 flags: layout.flags() as u32,
                 slots: layout.slots() as u32,
-                threads: 256,
+                threads,
                 spins: P2P_SPINS,
             };
             Module::parse(&params.render().unwrap(), "p2p_collective.ptx").unwrap()
@@ -89,6 +111,9 @@ fn rounds(ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
     let outs2: Vec<_> = mems.iter_mut().map(|m| m.alloc("out2", ranks * n2_max * size)).collect();
     let residuals: Vec<_> = mems.iter_mut().map(|m| m.alloc("residual", n * size)).collect();
     let regions: Vec<_> = mems.iter_mut().map(|m| m.alloc("p2p region", layout.bytes() as usize)).collect();
+    let normed: Vec<_> = mems.iter_mut().map(|m| m.alloc("normed", n * 4)).collect();
+    let h_max = kinds.iter().filter_map(norm_of).map(|n| n.0).max().unwrap_or(1);
+    let weights: Vec<_> = mems.iter_mut().map(|m| m.alloc("norm weight", h_max * 4)).collect();
     let table: Vec<u8> = (0..ranks).flat_map(|q| mems[q].addr(regions[q]).to_le_bytes()).collect();
     for (m, &reg) in mems.iter().zip(&regions) {
         m.write(reg, 0, &table);
@@ -100,28 +125,36 @@ fn rounds(ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
     let inputs: Vec<Vec<(Vec<f32>, Vec<f32>)>> = kinds.iter().map(|k| (0..ranks).map(|_| (randn(&mut rng, n, 1.0, bf16), randn(&mut rng, second(k).0, 1.0, bf16))).collect()).collect();
     // per round: the residual every rank holds (ReduceAdd)
     let residual_in: Vec<Vec<f32>> = kinds.iter().map(|_| randn(&mut rng, n, 4.0, bf16)).collect();
+    // per round: the norm weight (ReduceAddNorm), around 1 as a trained norm's
+    let weight_in: Vec<Vec<f32>> = kinds.iter().map(|k| norm_of(k).map_or_else(Vec::new, |(h, w_bf16, _)| randn(&mut rng, h, 0.5, w_bf16).into_iter().map(|v| v + 1.0).map(|v| if w_bf16 { bf16_to_f32(f32_to_bf16(v)) } else { v }).collect())).collect();
     let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..ranks)
             .map(|r| {
                 let (mems, modules, bufs, bufs2, outs, outs2, regions, inputs) = (&mems, &modules, &bufs, &bufs2, &outs, &outs2, &regions, &inputs);
-                let (residuals, residual_in) = (&residuals, &residual_in);
+                let (residuals, residual_in, normed, weights, weight_in) = (&residuals, &residual_in, &normed, &weights, &weight_in);
                 s.spawn(move || {
                     let peers: Vec<&GlobalMemory> = (0..ranks).filter(|&q| q != r).map(|q| &mems[q]).collect();
                     let addr = |b| KernelArg::U64(mems[r].addr(b));
                     let mut results = Vec::new();
-                    for (((round, module), kind), res) in inputs.iter().zip(modules).zip(kinds).zip(residual_in) {
+                    for ((((round, module), kind), res), w) in inputs.iter().zip(modules).zip(kinds).zip(residual_in).zip(weight_in) {
                         mems[r].write(bufs[r], 0, &bytes(&round[r].0, bf16));
                         mems[r].write(bufs2[r], 0, &bytes(&round[r].1, bf16));
                         mems[r].write(residuals[r], 0, &bytes(res, bf16));
+                        let norm = norm_of(kind);
+                        if let Some((_, w_bf16, _)) = norm {
+                            mems[r].write(weights[r], 0, &bytes(w, w_bf16));
+                        }
                         let two = second(kind).0 > 0;
                         let (buf2, out, out2) = match kind {
-                            Round::Reduce | Round::ReduceAdd => (bufs[r], bufs[r], bufs[r]),
+                            Round::Reduce | Round::ReduceAdd | Round::ReduceAddNorm { .. } => (bufs[r], bufs[r], bufs[r]),
                             Round::Gather { .. } if two => (bufs2[r], outs[r], outs2[r]),
                             Round::Gather { .. } => (bufs[r], outs[r], outs[r]),
                         };
-                        let residual = if matches!(kind, Round::ReduceAdd) { residuals[r] } else { bufs[r] };
-                        let args = [addr(bufs[r]), addr(buf2), addr(out), addr(out2), addr(residual), addr(regions[r]), KernelArg::U32(r as u32)];
-                        launch_with_peers(module, P2pCollectiveParams::ENTRY, [1, 1, 1], [256, 1, 1], 0, &args, &mems[r], &peers).unwrap();
+                        let adds = matches!(kind, Round::ReduceAdd | Round::ReduceAddNorm { .. });
+                        let residual = if adds { residuals[r] } else { bufs[r] };
+                        let (weight, out_norm) = if norm.is_some() { (weights[r], normed[r]) } else { (bufs[r], bufs[r]) };
+                        let args = [addr(bufs[r]), addr(buf2), addr(out), addr(out2), addr(residual), addr(regions[r]), KernelArg::U32(r as u32), addr(weight), addr(out_norm), KernelArg::F32(EPS)];
+                        launch_with_peers(module, P2pCollectiveParams::ENTRY, [1, 1, 1], [threads, 1, 1], 0, &args, &mems[r], &peers).unwrap();
                         let mut got = floats(&mems[r].read(out), bf16);
                         if two {
                             got.truncate(ranks * n);
@@ -130,8 +163,11 @@ fn rounds(ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
                         // ReduceAdd: the sum, then the residual it was added into; else the
                         // residual is untouched
                         let residual_now = floats(&mems[r].read(residuals[r]), bf16);
-                        if matches!(kind, Round::ReduceAdd) {
+                        if adds {
                             got.extend(residual_now);
+                            if let Some((_, _, out_bf16)) = norm {
+                                got.extend(floats(&mems[r].read(normed[r]), out_bf16).into_iter().take(n));
+                            }
                         } else {
                             assert!(residual_now.iter().zip(res).all(|(a, b)| a.to_bits() == b.to_bits()), "rank {r}: a collective without ADD wrote the residual");
                         }
@@ -152,6 +188,14 @@ fn rounds(ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
                 let sum = rank_order_sum(&firsts, bf16);
                 let added: Vec<f32> = residual_in[round].iter().zip(&sum).map(|(&r, &v)| if bf16 { bf16_to_f32(f32_to_bf16(r + v)) } else { r + v }).collect();
                 sum.into_iter().chain(added).collect()
+            }
+            Round::ReduceAddNorm { h, out_bf16, .. } => {
+                // the CPU reference's rmsnorm of the residual plus the rounded sum
+                let sum = rank_order_sum(&firsts, bf16);
+                let mut res = residual_in[round].clone();
+                let mut normed = vec![0f32; n];
+                reference::rms_norm(&sum, Some((&mut res[..], bf16)), &weight_in[round], EPS, h, bf16, out_bf16, &mut normed);
+                sum.into_iter().chain(res).chain(normed).collect()
             }
             Round::Gather { width, second } => {
                 let mut w = side_by_side(&firsts, width);
@@ -204,6 +248,21 @@ fn adds_the_sum_into_the_residual_as_the_add_launch_does() {
 }
 
 #[test]
+fn normalises_the_updated_residual_as_the_cpu_reference_does() {
+    use Round::{Reduce, ReduceAdd, ReduceAddNorm};
+    let norm = |h, w_bf16, out_bf16| ReduceAddNorm { h, w_bf16, out_bf16 };
+    // GLM-5's norm after attention's all-reduce at decode: hidden 6144, BF16 weight and rows, one
+    // token on 8 ranks and four (one more row than the block's two groups of 256 threads) on 2,
+    // between plain all-reduces and residual adds on the same epochs
+    rounds_of(512, 8, 6144, true, &[norm(6144, true, true), Reduce, norm(6144, true, true), ReduceAdd], 16);
+    rounds_of(512, 2, 3 * 6144, true, &[norm(6144, true, true); 2], 17);
+    // one group of threads; rows narrower than it and not a multiple of 32; F32 weight, output
+    // and sums
+    rounds_of(256, 3, 4 * 200, true, &[norm(200, false, false), norm(200, true, false)], 18);
+    rounds_of(512, 3, 5 * 1000, false, &[norm(1000, false, true), Reduce, norm(1000, true, false)], 19);
+}
+
+#[test]
 fn gathers_every_rank_row_by_row_between_all_reduces() {
     use Round::Reduce;
     // GLM-5's sharded q_a at decode (2048 / 8 = 256 BF16 per rank and token): one token, then a
@@ -233,7 +292,7 @@ fn gathers_two_buffers_in_one_kernel() {
 /// never launches. Returns the launch's error and rank 1's region.
 fn rank_0_alone(spins: u32, peer_access: bool) -> (String, Vec<u8>) {
     let layout = P2pLayout { ranks: 2 };
-    let params = P2pCollectiveParams { arch: 120, ranks: 2, gather: 0, bytes: 64, part: 64, row: 64, row2: 64, bf16: 0, add: 0, slot: P2P_MAX_BYTES as u32, flags: layout.flags() as u32, slots: layout.slots() as u32, threads: 64, spins };
+    let params = P2pCollectiveParams { arch: 120, ranks: 2, gather: 0, bytes: 64, part: 64, row: 64, row2: 64, bf16: 0, add: 0, norm: 0, h: 1, w_bf16: 0, out_bf16: 0, slot: P2P_MAX_BYTES as u32, flags: layout.flags() as u32, slots: layout.slots() as u32, threads: 64, spins };
     let module = Module::parse(&params.render().unwrap(), "p2p_collective.ptx").unwrap();
     let mut mine = GlobalMemory::with_base(GLOBAL_BASE + (1 << 40));
     let mut other = GlobalMemory::with_base(GLOBAL_BASE + (2 << 40));
@@ -243,7 +302,7 @@ fn rank_0_alone(spins: u32, peer_access: bool) -> (String, Vec<u8>) {
     mine.write(reg, 0, &table);
     other.write(other_reg, 0, &table);
     let at = KernelArg::U64(mine.addr(b));
-    let args = [at.clone(), at.clone(), at.clone(), at.clone(), at, KernelArg::U64(mine.addr(reg)), KernelArg::U32(0)];
+    let args = [at.clone(), at.clone(), at.clone(), at.clone(), at.clone(), KernelArg::U64(mine.addr(reg)), KernelArg::U32(0), at.clone(), at, KernelArg::F32(0.0)];
     let peers: &[&GlobalMemory] = if peer_access { &[&other] } else { &[] };
     let err = launch_with_peers(&module, P2pCollectiveParams::ENTRY, [1, 1, 1], [64, 1, 1], 0, &args, &mine, peers).unwrap_err().to_string();
     (err, other.read(other_reg))

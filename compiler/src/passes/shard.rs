@@ -68,7 +68,7 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &Spl
         if !matches!(step.op, Op::Add { .. }) {
             for v in step.op.reads().into_iter().filter(|&v| Some(v) != added) {
                 if partial[v.0 as usize] {
-                    steps.push(Step { op: Op::AllReduce { buf: v, residual: None }, kernel: KernelFamily::Collective, launches: Vec::new() });
+                    steps.push(Step { op: Op::AllReduce { buf: v, residual: None, norm: None }, kernel: KernelFamily::Collective, launches: Vec::new() });
                     partial[v.0 as usize] = false;
                 }
             }
@@ -130,7 +130,7 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &Spl
                 if pa != pb {
                     // Mixing a partial and a complete value would count the complete one tp times.
                     let v = if pa { *a } else { *b };
-                    steps.push(Step { op: Op::AllReduce { buf: v, residual: None }, kernel: KernelFamily::Collective, launches: Vec::new() });
+                    steps.push(Step { op: Op::AllReduce { buf: v, residual: None, norm: None }, kernel: KernelFamily::Collective, launches: Vec::new() });
                     partial[v.0 as usize] = false;
                 }
                 out_partial = pa && pb;

@@ -3,7 +3,7 @@
 
 use crate::graph::Graph;
 use crate::passes::lower::GROUP_MAX;
-use kiln_runtime::plan::{attention_splits_cap, AttentionForm, BufId, Buffer, Dim, Epilogue, GroupMember, GroupNorm, LinearWeights, Op, Program, ProgramInputs, ProgramKind, Step};
+use kiln_runtime::plan::{attention_splits_cap, AttentionForm, BufId, Buffer, Dim, Epilogue, GroupMember, GroupNorm, LinearWeights, Op, Program, ProgramInputs, ProgramKind, ResidualNorm, Step};
 
 /// The concrete sizes of one bucket.
 #[derive(Debug, Clone, Copy)]
@@ -41,7 +41,7 @@ fn residual_adds_into_all_reduces(steps: &mut [Step]) {
     for i in 1..steps.len() {
         let (before, after) = steps.split_at_mut(i);
         let (prev, step) = (&mut before[i - 1], &mut after[0]);
-        if let (Op::AllReduce { buf, residual: fused @ None }, Op::RmsNorm { input, residual: norm_residual @ Some(_), .. }) = (&mut prev.op, &mut step.op) {
+        if let (Op::AllReduce { buf, residual: fused @ None, norm: None }, Op::RmsNorm { input, residual: norm_residual @ Some(_), .. }) = (&mut prev.op, &mut step.op) {
             if *input == *buf {
                 let r = norm_residual.take().expect("matched Some");
                 *fused = Some(r);
@@ -116,6 +116,27 @@ fn norms_into_groups(steps: &mut Vec<Step>) {
     }
 }
 
+/// Decode: an rmsnorm of the residual an all-reduce just updated (`AllReduce { residual }`,
+/// then `RmsNorm { input: residual }`: the norm after attention, the final norm, and input norms
+/// no group took) becomes the all-reduce's `norm`, so that the one-shot P2P kernel normalises in
+/// its own launch instead of a norm launch of its own (after NCCL the norm stays a launch of the
+/// collective's step). Runs after [`norms_into_groups`]: a norm a group took stays there.
+fn norms_into_all_reduces(steps: &mut Vec<Step>) {
+    let mut i = 1;
+    while i < steps.len() {
+        if let (Op::AllReduce { residual: Some(r), norm: None, .. }, Op::RmsNorm { input, residual: None, weight, eps, out }) = (&steps[i - 1].op, &steps[i].op) {
+            if input == r && out != r {
+                let fused = ResidualNorm { weight: *weight, eps: *eps, out: *out };
+                let Op::AllReduce { norm, .. } = &mut steps[i - 1].op else { unreachable!("matched an all-reduce") };
+                *norm = Some(fused);
+                steps.remove(i);
+                continue;
+            }
+        }
+        i += 1;
+    }
+}
+
 /// Decode: a cache write moves up to just after the step that writes its inputs (past the q_b
 /// group and the gather after it), next to a launch it does not depend on, which lowering may
 /// merge with its own. It passes only steps that neither write its inputs nor touch the cache
@@ -172,6 +193,7 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
         residual_adds_into_all_reduces(&mut steps);
         group_linears_sharing_input(&mut steps);
         norms_into_groups(&mut steps);
+        norms_into_all_reduces(&mut steps);
         cache_writes_up(&mut steps);
     }
     let i = graph.inputs;
@@ -202,9 +224,9 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
 
 #[cfg(test)]
 mod tests {
-    use super::{group_linears_sharing_input, norms_into_groups};
+    use super::{group_linears_sharing_input, norms_into_all_reduces, norms_into_groups};
     use crate::passes::lower::GROUP_MAX;
-    use kiln_runtime::plan::{BufId, Epilogue, GroupNorm, KernelFamily, LinearPart, LinearWeights, Op, Step, WeightId};
+    use kiln_runtime::plan::{BufId, Epilogue, GroupNorm, KernelFamily, LinearPart, LinearWeights, Op, ResidualNorm, Step, WeightId};
 
     fn linear(input: u32, out: u32, k: usize, epilogue: Epilogue) -> Step {
         let weights = LinearWeights::Bf16 { weight: WeightId(out) };
@@ -252,6 +274,30 @@ mod tests {
         assert_eq!(group(&s, 0), Some(want));
         assert!(s[1..4].iter().all(|st| matches!(st.op, Op::Linear { .. })), "the non-members stay where they were");
         assert_eq!(s.len(), 5, "the last linear stays a linear of its own");
+    }
+
+    #[test]
+    fn a_norm_of_the_residual_an_all_reduce_updated_joins_it() {
+        let reduce = |buf: u32, residual: Option<u32>| Step { op: Op::AllReduce { buf: BufId(buf), residual: residual.map(BufId), norm: None }, kernel: KernelFamily::Collective, launches: vec![] };
+        // all-reduce of 0 into residual 4, then the norm of 4 into 5: one step
+        let mut s = vec![reduce(0, Some(4)), norm(4, 5), plain_linear(5, 6)];
+        norms_into_all_reduces(&mut s);
+        assert_eq!(s.len(), 2);
+        let want = Some(ResidualNorm { weight: WeightId(99), eps: 1e-5, out: BufId(5) });
+        assert!(matches!(&s[0].op, Op::AllReduce { residual: Some(BufId(4)), norm, .. } if *norm == want), "{:?}", s[0].op);
+        assert_eq!((s[0].op.writes(), s[0].op.weight_ids()), (vec![BufId(0), BufId(4), BufId(5)], vec![WeightId(99)]));
+        assert_eq!(s[0].op.residual_norm(), Some(norm(4, 5).op));
+        // without a residual, a norm of another buffer, or a step between: unchanged
+        for mut s in [vec![reduce(0, None), norm(0, 5)], vec![reduce(0, Some(4)), norm(0, 5)], vec![reduce(0, Some(4)), add(7, 8, 9), norm(4, 5)]] {
+            let before = s.len();
+            norms_into_all_reduces(&mut s);
+            assert_eq!(s.len(), before);
+            assert!(matches!(s[0].op, Op::AllReduce { norm: None, .. }));
+        }
+    }
+
+    fn plain_linear(input: u32, out: u32) -> Step {
+        linear(input, out, 16, Epilogue::None)
     }
 
     #[test]

@@ -167,9 +167,12 @@ fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -
             expect("weights", shape(*weights), &[rows(*input), params.top_k])?;
         }
         Op::GatherRows { input, rows: r, out } => expect("out", shape(*out), &[shape(*r)[0], last(*input)])?,
-        Op::AllReduce { buf, residual } => {
+        Op::AllReduce { buf, residual, .. } => {
             if let Some(r) = residual {
                 expect("residual", shape(*r), shape(*buf))?;
+            }
+            if let Some(n) = op.residual_norm() {
+                check_shapes(p, &n, slots, cfg)?;
             }
         }
     }

@@ -393,7 +393,13 @@ impl CpuBackend {
                     o(&StepView { ranks, program: index, step: n, phase: StepPhase::Before, plan });
                 }
                 match step.op {
-                    Op::AllReduce { buf, residual } => all_reduce(ranks, staging, &cx, buf, residual).map_err(at)?,
+                    Op::AllReduce { buf, residual, .. } => {
+                        all_reduce(ranks, staging, &cx, buf, residual).map_err(at)?;
+                        // the rmsnorm it took over, on every rank as that step ran
+                        if let Some(norm) = step.op.residual_norm() {
+                            ranks.iter_mut().try_for_each(|rank| rank.exec(&cx, &norm)).map_err(at)?;
+                        }
+                    }
                     Op::AllGather { ref pairs } => pairs.iter().try_for_each(|g| all_gather(ranks, staging, &cx, g.input, g.out)).map_err(at)?,
                     ref op => {
                         for rank in ranks.iter_mut() {

@@ -215,13 +215,15 @@ fn check_op(plan: &Plan, p: &Program, op: &Op) -> Result<(), String> {
             }
             Ok(())
         }
-        Op::AllReduce { buf: b, residual } => {
+        Op::AllReduce { buf: b, residual, norm } => {
             float(b, numel(p, b))?;
             match residual {
-                Some(r) if buf(r).dtype == buf(b).dtype => float(r, numel(p, b)),
-                Some(_) => Err("the residual's dtype differs from the summed buffer's".into()),
-                None => Ok(()),
+                Some(r) if buf(r).dtype == buf(b).dtype => float(r, numel(p, b))?,
+                Some(_) => return Err("the residual's dtype differs from the summed buffer's".into()),
+                None if norm.is_some() => return Err("normalises a residual it does not have".into()),
+                None => {}
             }
+            op.residual_norm().map_or(Ok(()), |n| check_op(plan, p, &n))
         }
         Op::AllGather { ref pairs } => {
             if pairs.is_empty() {

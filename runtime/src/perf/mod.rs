@@ -251,13 +251,19 @@ pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constant
     let mut collectives = Vec::new();
     for (s, step) in program.steps.iter().enumerate() {
         match step.op {
-            Op::AllReduce { buf, residual } => {
+            Op::AllReduce { buf, residual, norm } => {
                 let bytes = program.buffer(buf).bytes;
                 let (nccl_us, p2p_us) = collective_time(true, bytes as f64, plan.ranks(), k);
                 // the P2P time where the plan has the kernel (its launch is costed as the
-                // collective; the residual add it took over reads and writes the residual, at
-                // its per-peer rate); NCCL's, plus the launches that follow it (that add)
-                let add_us = if residual.is_some() { 2.0 * bytes as f64 / (k.p2p_gbps * 1e3) } else { 0.0 };
+                // collective; the residual add it took over reads and writes the residual, and the
+                // norm reads it again with the weight and writes the normed rows, at its per-peer
+                // rate); NCCL's, plus the launches that follow it (that add, that norm)
+                let norm_bytes = norm.map_or(0, |n| {
+                    let out = program.buffer(n.out);
+                    let rows = out.shape.iter().product::<usize>() / out.shape.last().copied().unwrap_or(1).max(1);
+                    bytes + out.bytes + rows as u64 * plan.weight(n.weight).bytes
+                });
+                let add_us = if residual.is_some() { (2 * bytes + norm_bytes) as f64 / (k.p2p_gbps * 1e3) } else { 0.0 };
                 let p2p_us = p2p_us.filter(|_| step.p2p_collective(plan)).map(|t| t + add_us);
                 let (after_us, after_floor_us) = after_collective_us(plan, step, load, k).map_err(|e| format!("{} step {s} ({}): {e}", program.name, step.op.name()))?;
                 collectives.push(CollectivePerf { step: s, all_reduce: true, bytes, nccl_us, after_us, after_floor_us, p2p_us });

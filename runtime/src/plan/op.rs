@@ -100,8 +100,9 @@ pub enum Op {
     GatherRows { input: BufId, rows: BufId, out: BufId },
     /// Sum `buf` over all ranks in fixed rank order; every rank gets the sum. With `residual`
     /// (decode: the residual add of the rmsnorm that follows, moved here so that the one-shot
-    /// P2P kernel does it in the same launch), then `residual = round(residual + buf)`.
-    AllReduce { buf: BufId, residual: Option<BufId> },
+    /// P2P kernel does it in the same launch), then `residual = round(residual + buf)`; with
+    /// `norm` as well (decode: the rmsnorm that followed), then `norm.out = rmsnorm(residual)`.
+    AllReduce { buf: BufId, residual: Option<BufId>, norm: Option<ResidualNorm> },
     /// For each pair, concatenate each rank's `input` columns in rank order into `out` on every
     /// rank (row by row); several pairs share one collective.
     AllGather { pairs: Vec<GatherPair> },
@@ -118,6 +119,17 @@ pub struct GroupNorm {
     pub eps: f32,
     /// The normalised rows `[tokens, k]`: kernel scratch (the CPU's and a separate norm launch's).
     pub normed: BufId,
+}
+
+/// The RMSNorm of the residual stream an [`Op::AllReduce`] with a residual applies last: the
+/// norm of the step that followed it, so that the one-shot P2P kernel normalises in its own
+/// launch.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ResidualNorm {
+    pub weight: WeightId,
+    pub eps: f32,
+    /// The normalised rows (a result: the next steps read them).
+    pub out: BufId,
 }
 
 /// One linear of an [`Op::LinearGroup`]: BF16 `weight` `[rows, k]` into `out` `[tokens, rows]`.
@@ -207,7 +219,7 @@ impl Op {
             Op::MoeExperts { input, ids, weights, shared, .. } => [*input, *ids, *weights].into_iter().chain(*shared).collect(),
             Op::Add { a, b, .. } => vec![*a, *b],
             Op::GatherRows { input, rows, .. } => vec![*input, *rows],
-            Op::AllReduce { buf, residual } => std::iter::once(*buf).chain(*residual).collect(),
+            Op::AllReduce { buf, residual, .. } => std::iter::once(*buf).chain(*residual).collect(),
             Op::AllGather { pairs } => pairs.iter().map(|g| g.input).collect(),
         }
     }
@@ -227,7 +239,7 @@ impl Op {
             Op::Router { logits, ids, weights, .. } => vec![*logits, *ids, *weights],
             Op::IndexerTopK { scores, out, .. } => vec![*scores, *out],
             Op::MlaAttention { absorbed, partials, out, .. } => vec![*out, *absorbed, *partials],
-            Op::AllReduce { buf, residual } => std::iter::once(*buf).chain(*residual).collect(),
+            Op::AllReduce { buf, residual, norm } => std::iter::once(*buf).chain(*residual).chain(norm.map(|n| n.out)).collect(),
             Op::KvCacheWrite { .. } => vec![],
         }
     }
@@ -269,7 +281,8 @@ impl Op {
             Op::MlaAttention { kv_b, .. } => vec![*kv_b],
             Op::Router { gate, bias, .. } => vec![*gate, *bias],
             Op::MoeExperts { gate_up, down, .. } => gate_up.ids().into_iter().chain(down.ids()).collect(),
-            Op::IndexerTopK { .. } | Op::Add { .. } | Op::GatherRows { .. } | Op::AllReduce { .. } | Op::AllGather { .. } => vec![],
+            Op::AllReduce { norm, .. } => norm.map(|n| n.weight).into_iter().collect(),
+            Op::IndexerTopK { .. } | Op::Add { .. } | Op::GatherRows { .. } | Op::AllGather { .. } => vec![],
         }
     }
 
@@ -279,6 +292,14 @@ impl Op {
             return None;
         };
         Some(Op::RmsNorm { input, residual: None, weight: n.weight, eps: n.eps, out: n.normed })
+    }
+
+    /// The `RmsNorm` (no residual) of the residual an `AllReduce` with a norm applies last.
+    pub fn residual_norm(&self) -> Option<Op> {
+        let Op::AllReduce { residual: Some(r), norm: Some(n), .. } = *self else {
+            return None;
+        };
+        Some(Op::RmsNorm { input: r, residual: None, weight: n.weight, eps: n.eps, out: n.out })
     }
 
     /// The `Linear` each member of a `LinearGroup` stands for (None for other ops): of the

@@ -4,9 +4,11 @@
 //! GPU pair passed the peer write-and-verify probe; larger collectives and single-rank plans keep
 //! NCCL (or nothing). An all-reduce that took over the next rmsnorm's residual add (decode,
 //! `AllReduce { residual }`) has the P2P kernel do the add too, and an `add` launch after it that
-//! only the NCCL path runs (`Step::after_collective`).
+//! only the NCCL path runs (`Step::after_collective`); one that took over the norm after that
+//! (`AllReduce { norm }`) has the kernel normalise the residual too, and the norm's launch after
+//! the add on the NCCL path.
 
-use super::{float_flag, of_grid, Cx, Instance};
+use super::{float_flag, numel, of_grid, width, Cx, Instance};
 use crate::kernels::{P2pCollectiveArgs, P2pCollectiveParams, Ptr};
 use kiln_runtime::plan::{BufId, Op, P2pLayout, P2P_MAX_BYTES};
 
@@ -32,18 +34,37 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         }
         _ => return Ok(Vec::new()),
     };
-    // the residual add an all-reduce took over: the NCCL path's launch after the collective
+    // the residual add an all-reduce took over, and the norm it took over after that: the
+    // NCCL path's launches after the collective
+    let mut after = Vec::new();
     let residual = match *op {
-        Op::AllReduce { buf, residual: Some(r) } => Some((r, super::norm::residual_add(cx, r, buf)?)),
+        Op::AllReduce { buf, residual: Some(r), .. } => {
+            after.push(super::norm::residual_add(cx, r, buf)?);
+            Some(r)
+        }
         _ => None,
     };
+    let norm = op.residual_norm();
+    if let Some(n) = &norm {
+        after.extend(super::norm::instances(cx, n)?);
+    }
     let ranks = cx.plan.ranks();
     let sizes: Vec<u64> = bufs.iter().map(|&b| p.buffer(b).bytes).collect();
     let bytes: u64 = sizes.iter().sum();
     let aligned = sizes.iter().zip(&rows).all(|(&n, &r)| n > 0 && n % 16 == 0 && r > 0 && r % 16 == 0);
-    let same = residual.as_ref().is_none_or(|&(r, _)| p.buffer(r).dtype == p.buffer(bufs[0]).dtype && p.buffer(r).bytes == sizes[0]);
-    if !(2..=8).contains(&ranks) || bytes > P2P_MAX_BYTES || !aligned || !same {
-        return Ok(residual.map(|(_, add)| add).into_iter().collect());
+    let same = residual.is_none_or(|r| p.buffer(r).dtype == p.buffer(bufs[0]).dtype && p.buffer(r).bytes == sizes[0]);
+    // the norm's rows in the P2P kernel: whole rows of the residual, the residual's dtype
+    // normalised (the norm step's source)
+    let norm_shape = match norm {
+        Some(Op::RmsNorm { weight, out, eps, .. }) => {
+            let h = width(p, out);
+            Some((h, float_flag(cx.plan.weight(weight).dtype, "the norm weight")?, float_flag(p.buffer(out).dtype, "the normed rows")?, weight, out, eps))
+        }
+        _ => None,
+    };
+    let rows_fit = norm_shape.is_none_or(|(h, ..)| h > 0 && numel(p, bufs[0]) % h == 0);
+    if !(2..=8).contains(&ranks) || bytes > P2P_MAX_BYTES || !aligned || !same || !rows_fit {
+        return Ok(after);
     }
     let gather = matches!(op, Op::AllGather { .. });
     let layout = P2pLayout { ranks: ranks as u64 };
@@ -58,6 +79,10 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         // a gather copies bytes of any type
         bf16: if gather { 0 } else { float_flag(p.buffer(bufs[0]).dtype, "an all-reduced buffer")? },
         add: u32::from(residual.is_some()),
+        norm: u32::from(norm_shape.is_some()),
+        h: norm_shape.map_or(1, |n| n.0 as u32),
+        w_bf16: norm_shape.map_or(0, |n| n.1),
+        out_bf16: norm_shape.map_or(0, |n| n.2),
         slot: P2P_MAX_BYTES as u32,
         flags: layout.flags() as u32,
         slots: layout.slots() as u32,
@@ -65,8 +90,23 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         spins: P2P_SPINS,
     };
     let second = |v: &[BufId]| Ptr::Buffer(*v.last().unwrap_or(&v[0]));
-    let res = residual.as_ref().map_or(bufs[0], |&(r, _)| r);
-    let args = P2pCollectiveArgs { buf: Ptr::Buffer(bufs[0]), buf2: second(&bufs), out: Ptr::Buffer(outs[0]), out2: second(&outs), residual: Ptr::Buffer(res), region: Ptr::P2pRegion, rank: 1 };
+    let res = residual.unwrap_or(bufs[0]);
+    let (weight, normed, eps) = match norm_shape {
+        Some((.., w, out, eps)) => (Ptr::Weight(w), Ptr::Buffer(out), eps),
+        None => (Ptr::Buffer(bufs[0]), Ptr::Buffer(bufs[0]), 0.0),
+    };
+    let args = P2pCollectiveArgs {
+        buf: Ptr::Buffer(bufs[0]),
+        buf2: second(&bufs),
+        out: Ptr::Buffer(outs[0]),
+        out2: second(&outs),
+        residual: Ptr::Buffer(res),
+        region: Ptr::P2pRegion,
+        rank: 1,
+        weight,
+        normed,
+        eps,
+    };
     // the P2P kernel first, then what the NCCL path runs after the collective
-    Ok(std::iter::once(of_grid(&params, [1, 1, 1], THREADS, args.launch_args())).chain(residual.map(|(_, add)| add)).collect())
+    Ok(std::iter::once(of_grid(&params, [1, 1, 1], THREADS, args.launch_args())).chain(after).collect())
 }

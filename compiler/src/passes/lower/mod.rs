@@ -222,11 +222,11 @@ pub fn lower(plan: &mut Plan) -> Result<(), CompileError> {
 
 /// Whether a step of family `step` may launch a kernel of family `kernel`: its own, for the
 /// router the BF16 linear that computes its gate product, for a BF16 linear group its norm, for
-/// an rmsnorm or an all-reduce the residual's add.
+/// an rmsnorm or an all-reduce the residual's add, for an all-reduce also the norm after it.
 fn may_launch(step: KernelFamily, kernel: KernelFamily) -> bool {
     kernel == step
         || (step == KernelFamily::Router && kernel == KernelFamily::LinearBf16)
-        || (step == KernelFamily::LinearBf16 && kernel == KernelFamily::RmsNorm)
+        || (matches!(step, KernelFamily::LinearBf16 | KernelFamily::Collective) && kernel == KernelFamily::RmsNorm)
         || (matches!(step, KernelFamily::RmsNorm | KernelFamily::Collective) && kernel == KernelFamily::Add)
 }
 
