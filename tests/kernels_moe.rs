@@ -252,6 +252,7 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
         kc: mma_chunk(arch, sh.hidden) as u32,
         threads: THREADS,
         x_bf16: c.x_bf16 as u32,
+        compact: 0,
     };
     let pd = MoeDownParams {
         arch,
@@ -307,6 +308,18 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
         args8[7] = KernelArg::U64(g.addr(bmid8));
         launch(&mn, MoeGateUpParams::ENTRY, [el as u32, (inter as u32).div_ceil(8), 1], [THREADS, 1, 1], narrow.dynamic_smem().unwrap(), &args8, &mut g).unwrap();
         assert!(g.read(bmid8) == g.read(bmid), "gate/up with 8 columns per block, unroll 1, differs from {COLS}, unroll 4");
+        // COMPACT (decode with fewer routed pairs than experts): only as many blocks along x as
+        // pairs (or experts), block x finding the x-th expert that got a token, writes the same
+        // bits (every routed pair's row of mid; experts of other ranks and padding ignored)
+        let compact = MoeGateUpParams { compact: 1, ..pg };
+        assert!(compact.dynamic_smem().unwrap() as usize >= 4 * (el + 1), "the flags fit the token list's region");
+        let mc = Module::parse(&compact.render().unwrap(), "moe_gate_up.ptx").unwrap();
+        let bmid_c = g.alloc("mid_compact", c.tokens * sh.top_k * inter * 2);
+        let mut args_c = args1.clone();
+        args_c[7] = KernelArg::U64(g.addr(bmid_c));
+        let slots = (c.tokens * sh.top_k).min(el) as u32;
+        launch(&mc, MoeGateUpParams::ENTRY, [slots, (inter as u32).div_ceil(COLS), 1], [THREADS, 1, 1], compact.dynamic_smem().unwrap(), &args_c, &mut g).unwrap();
+        assert!(g.read(bmid_c) == g.read(bmid), "gate/up over {slots} compact blocks differs from one block per expert");
     }
     let s2 = launch(&md, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(COLS), 1, 1], [THREADS, 1, 1], pd.dynamic_smem().unwrap(), &args2, &mut g).unwrap();
     if !mma_dn {
@@ -485,7 +498,7 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
             let g2 = if mma { 32 } else { group(tokens, inter * 3 / 4) };
             let cols = gate_up_cols(&Experts::uniform(tokens, top_k, 256, experts), inter, hidden, 2, mma, &Constants::SM120A);
             // loads ahead as the lowering picks them (four at G <= 4 would spill at larger G)
-            let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), unroll: loads_ahead(g1), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: THREADS, x_bf16: 1 };
+            let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), unroll: loads_ahead(g1), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: THREADS, x_bf16: 1, compact: (!mma && tokens * top_k < experts) as u32 };
             let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: if mma { COLS } else { 32 } /* down_cols at GLM-5 decode sizes */, lanes: lanes(inter), unroll: loads_ahead(g2), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1, stage: 1 };
             out.push((format!("sm_{arch}a glm5 {mode} tokens={tokens} G={g1}/{g2} cols={cols} mma={mma}"), gu, staged_where_it_fits(dn)));
         }
@@ -494,7 +507,7 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
     for (tokens, mma) in [(1usize, false), (17, false), (128, true)] {
         let g1 = if mma { 32 } else { group(tokens, 384) };
         let g2 = if mma { 32 } else { group(tokens, 96) };
-        let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, k: 256, g: g1 as u32, cols: COLS, lanes: lanes(256), unroll: loads_ahead(g1), mma: mma as u32, kc: 256, threads: THREADS, x_bf16: 1 };
+        let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, k: 256, g: g1 as u32, cols: COLS, lanes: lanes(256), unroll: loads_ahead(g1), mma: mma as u32, kc: 256, threads: THREADS, x_bf16: 1, compact: (!mma && tokens * 4 < 16) as u32 };
         let dn = MoeDownParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, hidden: 256, g: g2 as u32, cols: COLS, lanes: lanes(128), unroll: loads_ahead(g2), mma: mma as u32, kc: 128, threads: THREADS, w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1, stage: 1 };
         out.push((format!("sm_{arch}a tiny tokens={tokens} mma={mma}"), gu, staged_where_it_fits(dn)));
     }

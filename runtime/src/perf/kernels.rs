@@ -297,7 +297,7 @@ fn kernel_cost(plan: &Plan, l: &Launch, load: &Load) -> Result<Cost, String> {
         "indexer_topk" => indexer_topk(&p, l, load, &mut c)?,
         "mla_attention" => mla_attention(&p, l, load, &mut c)?,
         "mla_split" => mla_split(&p, l, &mut c)?,
-        "moe_gate_up" => moe_gate_up(&p, load, &mut c)?,
+        "moe_gate_up" => moe_gate_up(&p, l, load, &mut c)?,
         "moe_down" => moe_down(&p, l, load, &mut c)?,
         other => return Err(format!("no cost model for template {other} ({})", k.name)),
     }
@@ -449,16 +449,19 @@ fn tile_rows(width: f64, cols: f64, lanes: f64, mma: bool) -> f64 {
 }
 
 /// Grouped gate/up: every block (expert, column tile) scans the routing; blocks whose expert got
-/// tokens quantise them and read the expert's gate and up rows once per group of G tokens.
-fn moe_gate_up(p: &Params, load: &Load, c: &mut Cost) -> Result<(), String> {
+/// tokens quantise them and read the expert's gate and up rows once per group of G tokens. With
+/// COMPACT the grid's blocks (as many along x as routed pairs) first read the routing to mark the
+/// experts that got tokens, and only those that find one scan it again.
+fn moe_gate_up(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), String> {
     let (tokens, topk, experts, inter, kk) = (p.v("TOKENS")?, p.v("TOPK")?, p.v("EXPERTS")?, p.v("INTER")?, p.v("K")?);
     let (g, cols, lanes, mma) = (p.v("G")?, p.v("COLS")?, p.v("LANES")?, p.v("MMA")? == 1.0);
     let active = load.tokens.active() as f64;
     let tiles = (inter / cols).ceil();
     let e = &load.experts;
-    c.read(Class::Aux, tokens * 4.0, experts * tiles);
-    c.read(Class::Activations, active * topk * 4.0, experts * tiles);
     let hit = e.sum(|n| if n > 0.0 { 1.0 } else { 0.0 });
+    let scans = if p.v("COMPACT")? == 1.0 { l.grid[0] as f64 * tiles + hit * tiles } else { experts * tiles };
+    c.read(Class::Aux, tokens * 4.0, scans);
+    c.read(Class::Activations, active * topk * 4.0, scans);
     let pairs = e.sum(|n| n);
     let groups = e.sum(|n| (n / g).ceil());
     c.blocks = hit * tiles;

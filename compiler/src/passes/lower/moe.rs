@@ -1,7 +1,9 @@
 //! Routed experts: `Op::MoeExperts` as grouped NVFP4 gate/up (SiLU-mul) then down with the weighted combine.
 //!
 //! Two launches: `moe_gate_up` (grid: local experts x intermediate column tiles; a block whose
-//! expert got no token exits after scanning the routing) writes the BF16 SwiGLU output of every
+//! expert got no token exits after scanning the routing; at decode with fewer routed pairs than
+//! experts, `COMPACT`: only as many blocks along x as pairs, block x taking the x-th expert that
+//! got a token) writes the BF16 SwiGLU output of every
 //! routed (token, choice) pair into `mid`; `moe_down` (grid: hidden column tiles) owns its
 //! columns of `acc` for every token and adds the experts' weighted outputs in ascending expert
 //! order, as the CPU does, then rounds into `out`. No float atomics: the result is deterministic.
@@ -189,7 +191,13 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         kc: kc as u32,
         threads: THREADS,
         x_bf16,
+        compact: 0,
     };
+    // decode with fewer routed pairs than local experts: only as many gate/up blocks as pairs
+    // along x, each finding its expert (GLM-5 tp8 batch 1: 8 x 32 blocks launched, not 256 x 32)
+    let slots = tokens * top_k;
+    let compact = !mma && slots < e && gu.dynamic_smem()? as usize >= 4 * (e + 1);
+    let gu = MoeGateUpParams { compact: compact as u32, ..gu };
     let gu_args = MoeGateUpArgs {
         x: Ptr::Buffer(input),
         ids: Ptr::Buffer(ids),
@@ -252,7 +260,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         super::fits(smem as usize + STATIC_SMEM, cx.smem_limit, "a MoE kernel")?;
     }
     Ok(vec![
-        of_grid(&gu, [u(e)?, u(inter)?.div_ceil(gu_cols), 1], THREADS, gu_args.launch_args()),
+        of_grid(&gu, [u(if compact { slots } else { e })?, u(inter)?.div_ceil(gu_cols), 1], THREADS, gu_args.launch_args()),
         of_grid(&dn, [u(h)?.div_ceil(dn_cols), 1, 1], THREADS, dn_args.launch_args()),
     ])
 }
