@@ -518,18 +518,20 @@ fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
         // and 4 fewer per layer since decode's projections of the same activations share one
         // (q_a, kv_a, wk and the head weights; q_b and wq_b), 1 fewer since both cache writes
         // are one; and one fewer for each group that normalises its input in its launch (the
-        // plan's choice, counted from its steps: both at batch 1, neither from batch 4); and
-        // the norm before each layer's MoE and the final norm taken over by the all-reduce before
-        // them (the P2P kernel normalises; after NCCL the norm is a launch of the collective
-        // step, costed with it)
+        // plan's choice, counted from its steps: q_a's and the first layer's input norm at batch
+        // 1, none from batch 4); and the norm each all-reduce before one took over, every layer's
+        // input norm but the first, the norm before each MoE and the final norm (the P2P kernel
+        // normalises; after NCCL the norm is a launch of the collective step, costed with it)
         let program = plan.programs.iter().find(|p| p.name == format!("decode_{batch}")).expect("decode program");
         let kernels: Vec<kiln_runtime::plan::Launch> = program.steps.iter().flat_map(|s| &s.launches).flat_map(|l| with_parts(&plan, l)).collect();
         let normed_in_groups = kernels.iter().filter(|l| plan_template(&plan, l) == "linear_bf16_gemm" && param(&plan, l, "NORM") == 1).count();
         match batch as u32 {
-            1 => assert_eq!(normed_in_groups, 2 * 78),
+            1 => assert_eq!(normed_in_groups, 78 + 1),
             2 => {}
             _ => assert_eq!(normed_in_groups, 0, "{d}"),
         }
+        let normed_in_all_reduces = program.steps.iter().filter(|s| matches!(s.op, kiln_runtime::plan::Op::AllReduce { norm: Some(_), .. })).count();
+        assert_eq!(normed_in_all_reduces, 2 * 78, "{d}");
         // and one fewer for each launch that runs two steps' kernels side by side: at batch 1
         // the router's selection beside the shared expert's gate/up and the shared expert's down
         // beside the MoE gate/up in each of the 75 MoE layers, the cache write beside q_b's
@@ -539,7 +541,7 @@ fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
         if batch == 1.0 {
             assert_eq!(merged, 2 * 75 + 2 * 78, "{d}");
         }
-        assert_eq!(d["launches"], 1552 + 75 + 78 + 3 * 78 + 156 - 75 - 156 - 4 * 78 - 78 - normed_in_groups - (78 + 1) - merged, "{d}");
+        assert_eq!(d["launches"], 1552 + 75 + 78 + 3 * 78 + 156 - 75 - 156 - 4 * 78 - 78 - normed_in_groups - normed_in_all_reduces - merged, "{d}");
         // two all-reduces per layer, the embedding's and the logits' gather, and since the model
         // chose to split q_a with kv_a and the indexer's wq_b behind all-gathers, two gathers per
         // layer

@@ -94,8 +94,8 @@ fn group_linears_sharing_input(steps: &mut Vec<Step>) {
 }
 
 /// Decode: an RMSNorm (no residual) whose rows only the next step reads, a `LinearGroup`,
-/// becomes the group's `norm` (the input norm before q_a, kv_a and the indexer's projections;
-/// q_a's norm before q_b and wq_b), so that lowering may normalise inside the group's launch.
+/// becomes the group's `norm` (q_a's norm before q_b and wq_b; the first layer's input norm, which
+/// has no all-reduce before it), so that lowering may normalise inside the group's launch.
 /// The group then reads the norm's input; the normed rows become its scratch.
 fn norms_into_groups(steps: &mut Vec<Step>) {
     let mut i = 0;
@@ -117,10 +117,12 @@ fn norms_into_groups(steps: &mut Vec<Step>) {
 }
 
 /// Decode: an rmsnorm of the residual an all-reduce just updated (`AllReduce { residual }`,
-/// then `RmsNorm { input: residual }`: the norm after attention, the final norm, and input norms
-/// no group took) becomes the all-reduce's `norm`, so that the one-shot P2P kernel normalises in
-/// its own launch instead of a norm launch of its own (after NCCL the norm stays a launch of the
-/// collective's step). Runs after [`norms_into_groups`]: a norm a group took stays there.
+/// then `RmsNorm { input: residual }`: each layer's input norm after the first, the norm before
+/// the MoE, the final norm) becomes the all-reduce's `norm`, so that the one-shot P2P kernel
+/// normalises in its own launch instead of a norm launch of its own (after NCCL the norm stays a
+/// launch of the collective's step). Runs before [`norms_into_groups`]: the P2P kernel reads a
+/// row once for its norm, where a group's `NORM` form has every block sum the whole row's squares
+/// (the plan is made for the P2P path: on NCCL the input norm is a launch again).
 fn norms_into_all_reduces(steps: &mut Vec<Step>) {
     let mut i = 1;
     while i < steps.len() {
@@ -192,8 +194,8 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
     if decode {
         residual_adds_into_all_reduces(&mut steps);
         group_linears_sharing_input(&mut steps);
-        norms_into_groups(&mut steps);
         norms_into_all_reduces(&mut steps);
+        norms_into_groups(&mut steps);
         cache_writes_up(&mut steps);
     }
     let i = graph.inputs;
