@@ -33,21 +33,26 @@ pub fn buckets(prefill_chunks: &[usize], decode_batches: &[usize], vocab: usize,
 }
 
 /// Decode: an all-reduce of the sub-layer output that the next rmsnorm adds into the residual
-/// takes over that add (`AllReduce { residual }`; the norm then normalises the residual), so
-/// that the one-shot P2P kernel does it in the same launch instead of an add launch of its own
-/// (with NCCL the add stays a launch, after the collective). Prefill keeps the add in its
-/// one-block-per-row norm, where it costs no launch.
-fn residual_adds_into_all_reduces(steps: &mut [Step]) {
-    for i in 1..steps.len() {
-        let (before, after) = steps.split_at_mut(i);
-        let (prev, step) = (&mut before[i - 1], &mut after[0]);
-        if let (Op::AllReduce { buf, residual: fused @ None, norm: None }, Op::RmsNorm { input, residual: norm_residual @ Some(_), .. }) = (&mut prev.op, &mut step.op) {
-            if *input == *buf {
-                let r = norm_residual.take().expect("matched Some");
-                *fused = Some(r);
-                *input = r;
+/// takes over that rmsnorm (`AllReduce { residual, norm }`: each layer's input norm after the
+/// first, the norm before the MoE, the final norm), so that the one-shot P2P kernel adds and
+/// normalises in its own launch instead of an add and a norm launch (with NCCL both stay
+/// launches, after the collective). Before [`norms_into_groups`]: the P2P kernel reads a row
+/// once for its norm, where a group's `NORM` form has every block sum the whole row's squares
+/// (the plan is made for the P2P path: on NCCL the input norm is a launch again). Prefill keeps
+/// the add in its one-block-per-row norm, where it costs no launch.
+fn residual_norms_into_all_reduces(steps: &mut Vec<Step>) {
+    let mut i = 1;
+    while i < steps.len() {
+        if let (Op::AllReduce { buf, residual: None, norm: None }, Op::RmsNorm { input, residual: Some(r), weight, eps, out }) = (&steps[i - 1].op, &steps[i].op) {
+            if input == buf && out != r {
+                let (r, norm) = (*r, ResidualNorm { weight: *weight, eps: *eps, out: *out });
+                let Op::AllReduce { residual, norm: fused, .. } = &mut steps[i - 1].op else { unreachable!("matched an all-reduce") };
+                (*residual, *fused) = (Some(r), Some(norm));
+                steps.remove(i);
+                continue;
             }
         }
+        i += 1;
     }
 }
 
@@ -116,29 +121,6 @@ fn norms_into_groups(steps: &mut Vec<Step>) {
     }
 }
 
-/// Decode: an rmsnorm of the residual an all-reduce just updated (`AllReduce { residual }`,
-/// then `RmsNorm { input: residual }`: each layer's input norm after the first, the norm before
-/// the MoE, the final norm) becomes the all-reduce's `norm`, so that the one-shot P2P kernel
-/// normalises in its own launch instead of a norm launch of its own (after NCCL the norm stays a
-/// launch of the collective's step). Runs before [`norms_into_groups`]: the P2P kernel reads a
-/// row once for its norm, where a group's `NORM` form has every block sum the whole row's squares
-/// (the plan is made for the P2P path: on NCCL the input norm is a launch again).
-fn norms_into_all_reduces(steps: &mut Vec<Step>) {
-    let mut i = 1;
-    while i < steps.len() {
-        if let (Op::AllReduce { residual: Some(r), norm: None, .. }, Op::RmsNorm { input, residual: None, weight, eps, out }) = (&steps[i - 1].op, &steps[i].op) {
-            if input == r && out != r {
-                let fused = ResidualNorm { weight: *weight, eps: *eps, out: *out };
-                let Op::AllReduce { norm, .. } = &mut steps[i - 1].op else { unreachable!("matched an all-reduce") };
-                *norm = Some(fused);
-                steps.remove(i);
-                continue;
-            }
-        }
-        i += 1;
-    }
-}
-
 /// Decode: a cache write moves up to just after the step that writes its inputs (past the q_b
 /// group and the gather after it), next to a launch it does not depend on, which lowering may
 /// merge with its own. It passes only steps that neither write its inputs nor touch the cache
@@ -192,9 +174,8 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
         })
         .collect();
     if decode {
-        residual_adds_into_all_reduces(&mut steps);
+        residual_norms_into_all_reduces(&mut steps);
         group_linears_sharing_input(&mut steps);
-        norms_into_all_reduces(&mut steps);
         norms_into_groups(&mut steps);
         cache_writes_up(&mut steps);
     }
@@ -226,7 +207,7 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
 
 #[cfg(test)]
 mod tests {
-    use super::{group_linears_sharing_input, norms_into_all_reduces, norms_into_groups};
+    use super::{group_linears_sharing_input, norms_into_groups, residual_norms_into_all_reduces};
     use crate::passes::lower::GROUP_MAX;
     use kiln_runtime::plan::{BufId, Epilogue, GroupNorm, KernelFamily, LinearPart, LinearWeights, Op, ResidualNorm, Step, WeightId};
 
@@ -279,22 +260,26 @@ mod tests {
     }
 
     #[test]
-    fn a_norm_of_the_residual_an_all_reduce_updated_joins_it() {
-        let reduce = |buf: u32, residual: Option<u32>| Step { op: Op::AllReduce { buf: BufId(buf), residual: residual.map(BufId), norm: None }, kernel: KernelFamily::Collective, launches: vec![] };
-        // all-reduce of 0 into residual 4, then the norm of 4 into 5: one step
-        let mut s = vec![reduce(0, Some(4)), norm(4, 5), plain_linear(5, 6)];
-        norms_into_all_reduces(&mut s);
+    fn the_rmsnorm_after_an_all_reduce_joins_it_with_its_residual_add() {
+        let reduce = |buf: u32| Step { op: Op::AllReduce { buf: BufId(buf), residual: None, norm: None }, kernel: KernelFamily::Collective, launches: vec![] };
+        let residual_norm = |input: u32, residual: u32, out: u32| {
+            let op = Op::RmsNorm { input: BufId(input), residual: Some(BufId(residual)), weight: WeightId(99), eps: 1e-5, out: BufId(out) };
+            Step { op, kernel: KernelFamily::RmsNorm, launches: vec![] }
+        };
+        // all-reduce of 0, then residual 4 += 0 and the norm of 4 into 5: one step
+        let mut s = vec![reduce(0), residual_norm(0, 4, 5), plain_linear(5, 6)];
+        residual_norms_into_all_reduces(&mut s);
         assert_eq!(s.len(), 2);
         let want = Some(ResidualNorm { weight: WeightId(99), eps: 1e-5, out: BufId(5) });
         assert!(matches!(&s[0].op, Op::AllReduce { residual: Some(BufId(4)), norm, .. } if *norm == want), "{:?}", s[0].op);
         assert_eq!((s[0].op.writes(), s[0].op.weight_ids()), (vec![BufId(0), BufId(4), BufId(5)], vec![WeightId(99)]));
         assert_eq!(s[0].op.residual_norm(), Some(norm(4, 5).op));
-        // without a residual, a norm of another buffer, or a step between: unchanged
-        for mut s in [vec![reduce(0, None), norm(0, 5)], vec![reduce(0, Some(4)), norm(0, 5)], vec![reduce(0, Some(4)), add(7, 8, 9), norm(4, 5)]] {
+        // a norm without a residual, a norm of another buffer, or a step between: unchanged
+        for mut s in [vec![reduce(0), norm(0, 5)], vec![reduce(0), residual_norm(7, 4, 5)], vec![reduce(0), add(7, 8, 9), residual_norm(0, 4, 5)]] {
             let before = s.len();
-            norms_into_all_reduces(&mut s);
+            residual_norms_into_all_reduces(&mut s);
             assert_eq!(s.len(), before);
-            assert!(matches!(s[0].op, Op::AllReduce { norm: None, .. }));
+            assert!(matches!(s[0].op, Op::AllReduce { residual: None, norm: None, .. }));
         }
     }
 
