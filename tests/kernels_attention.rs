@@ -233,11 +233,23 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
     let bpa = gm.alloc_bytes("partials", &vec![0xFF; c.tokens.max(1) * c.splits.max(1) * g.heads * (g.latent + 4) * 4]);
     let mut args: Vec<KernelArg> = [bq, bw, bt, bp, bs, bpt, bc, br, bo, ba, bpa].iter().map(|&b| KernelArg::U64(gm.addr(b))).collect();
     args.push(KernelArg::F32(c.scale));
-    let (mut cache_read, mut staged_read) = (0u64, None);
+    let (mut cache_read, mut staged_read) = (0u64, Vec::new());
+    // the most 128-dim latent chunks of every warp's tile the q_abs | ctx region holds (lowering's STAGE)
+    let fits = |threads: u32, mma: u32| if mma == 1 { (c.hg * nl * 1024 / ((threads as usize / 32) * 16 * 256)).min(nl) } else { 0 };
     let stats = if c.splits == 0 {
         let module = Module::parse(&params.render().unwrap(), "mla_attention.ptx").unwrap();
         let grid = [(g.heads / c.hg) as u32, c.tokens as u32, 1];
-        launch(&module, MlaAttentionParams::ENTRY, grid, [c.threads, 1, 1], params.dynamic_smem().unwrap(), &args, &mut gm).unwrap()
+        let stats = launch(&module, MlaAttentionParams::ENTRY, grid, [c.threads, 1, 1], params.dynamic_smem().unwrap(), &args, &mut gm).unwrap();
+        // the one-launch form with staged chunks: the same output bit for bit
+        let unstaged = gm.read(bo);
+        for stage in 1..=fits(c.threads, layout.0) {
+            gm.write(bo, 0, &vec![0xFF; unstaged.len()]);
+            let staged = MlaAttentionParams { stage: stage as u32, ..params };
+            let m = Module::parse(&staged.render().unwrap(), "mla_attention.ptx").unwrap();
+            launch(&m, MlaAttentionParams::ENTRY, grid, [c.threads, 1, 1], staged.dynamic_smem().unwrap(), &args, &mut gm).unwrap();
+            assert!(gm.read(bo) == unstaged, "the output with {stage} staged chunks differs from the unstaged one");
+        }
+        stats
     } else {
         // The lowering's split instance: entries per split, a warp per 16-entry tile (2..8 warps).
         let per = c.topk.div_ceil(c.splits);
@@ -285,17 +297,18 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
         let grid = [(g.heads / c.hg) as u32, c.tokens as u32, c.splits as u32];
         let stats = launch(&module, MlaAttentionParams::ENTRY, grid, [threads, 1, 1], split.dynamic_smem().unwrap(), &args, &mut gm).unwrap();
         cache_read = gm.bytes_loaded(bc);
-        // STAGE (the tensor-core path with at most 2 warps, as lowering sets it): the tile's rows
-        // kept in shared memory for the context give the same partial states bit for bit, and
-        // the cache is read once per row
-        if layout.0 == 1 && (threads as usize / 32) * 16 * g.latent * 2 <= c.hg * nl * 1024 {
-            let unstaged = gm.read(bpa);
+        // STAGE (the tensor-core path): every number of 128-dim latent chunks whose rows fit the
+        // q_abs | ctx region for all warps (as lowering takes the most) gives the same partial
+        // states bit for bit, and the context reads only the dims not kept from the cache again
+        let unstaged = gm.read(bpa);
+        for stage in 1..=fits(threads, layout.0) {
             gm.write(bpa, 0, &vec![0xFF; unstaged.len()]);
-            let staged = MlaAttentionParams { stage: 1, ..split };
+            let before = gm.bytes_loaded(bc);
+            let staged = MlaAttentionParams { stage: stage as u32, ..split };
             let m = Module::parse(&staged.render().unwrap(), "mla_attention.ptx").unwrap();
             launch(&m, MlaAttentionParams::ENTRY, grid, [threads, 1, 1], staged.dynamic_smem().unwrap(), &args, &mut gm).unwrap();
-            assert!(gm.read(bpa) == unstaged, "the staged split states differ from the unstaged ones");
-            staged_read = Some(gm.bytes_loaded(bc) - cache_read);
+            assert!(gm.read(bpa) == unstaged, "the split states with {stage} staged chunks differ from the unstaged ones");
+            staged_read.push((stage, gm.bytes_loaded(bc) - before));
         }
         // the combine with 1 and 2 latent dims per lane (more blocks, as small batches get) writes
         // the 4-dim context bit for bit: every dim's sum is the same
@@ -351,8 +364,9 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
         let want = groups * selected_rows * (g.latent + g.rope) * 2;
         let ratio = cache_read as f64 / want.max(1) as f64;
         eprintln!("T={} hg={} splits={} topk={}: cache {cache_read} B read / {want} B compulsory = {ratio:.3}; staged: {staged_read:?} B", c.tokens, c.hg, c.splits, c.topk);
-        if let Some(b) = staged_read {
-            assert_eq!(b as usize, want, "the staged launch reads the cache more than once per row");
+        for &(stage, b) in &staged_read {
+            let again = g.latent.saturating_sub(128 * stage);
+            assert_eq!(b as usize, want + groups * selected_rows * again * 2, "cache bytes read with {stage} staged chunks");
         }
         let mma_rows = (2 * g.latent + g.rope) as f64 / (g.latent + g.rope) as f64;
         assert!(want > 0 && (1.0..=if layout.0 == 1 { mma_rows } else { 1.0 }).contains(&ratio), "cache bytes read / compulsory = {ratio}");
@@ -451,6 +465,17 @@ fn split_kv_decode_matches_the_cpu() {
         c.geo = Geo { heads: if hg == 4 { 4 } else { 8 }, ..TINY };
         c.splits = splits;
         run(&c, 100 + i as u64);
+    }
+    // Latents of 2 chunks of 128 dims (the last one whole, or of 64 dims) and 4 warps per split:
+    // the q_abs | ctx region holds one staged chunk per warp, so the context reads the first
+    // chunk from shared memory and the second from the cache again (`run` checks both).
+    for (i, latent) in [192, 256].into_iter().enumerate() {
+        let mut c = case(3, 8, 128);
+        c.geo = Geo { latent, ..TINY };
+        c.seqs = vec![200, 150];
+        c.max_context = 256;
+        c.splits = 2;
+        run(&c, 120 + i as u64);
     }
     // A ragged k of 300 over 7 splits of 43 (two staging rounds of 32 threads... per split), f32 in and out.
     let mut c = case(3, 4, 300);
@@ -644,9 +669,9 @@ fn glm5_and_tiny_instances_assemble_for_sm_120a() {
         ptxas_check(&format!("tiny_hg{hg}_k{topk}_t{threads}_mma{mma}"), &p, &ptxas);
     }
     // split-KV decode: the split launch at batch 1 (128 splits of 16, 2 warps, the tile rows
-    // staged; and 64 of 32) and batch 64 (6 of 342, 8 warps), and the three mla_split launches at
-    // batches 1 (128 and 64 splits) and 64
-    for (splits, per, threads, stage) in [(128u32, 16u32, 64u32, 1u32), (64, 32, 64, 1), (64, 32, 64, 0), (6, 342, 256, 0)] {
+    // staged whole; and 64 of 32) and batch 64 (6 of 342, 8 warps, one 128-dim chunk staged),
+    // each also unstaged, and the three mla_split launches at batches 1 (128 and 64 splits) and 64
+    for (splits, per, threads, stage) in [(128u32, 16u32, 64u32, 4u32), (64, 32, 64, 4), (64, 32, 64, 0), (6, 342, 256, 1), (6, 342, 256, 0)] {
         let chunk = per.div_ceil(threads) * threads;
         let (r, s) = ptxas_check(&format!("glm5_split{splits}_stage{stage}"), &MlaAttentionParams { mode: 1, splits, split: per, stage, ..glm(8, threads, 2048, chunk, true) }, &ptxas);
         worst = (worst.0.max(r), worst.1.max(s));

@@ -390,9 +390,9 @@ fn mla_attention(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<()
     }
     c.read(Class::Aux, selected * 4.0, groups);
     // every head group loads each selected row; MMA: the scores load latent | rope for the
-    // tensor cores, the context the latent again (unless STAGE kept the tile's rows in shared
-    // memory)
-    let row = if mma && p.v("STAGE")? == 0.0 { 2.0 * latent + rope } else { latent + rope };
+    // tensor cores, the context the latent dims again that STAGE did not keep in shared memory
+    let unstaged = if mma { (latent - 128.0 * p.v("STAGE")?).max(0.0) } else { 0.0 };
+    let row = latent + rope + unstaged;
     c.read(Class::Kv, selected * (latent + rope) * 2.0, groups * row / (latent + rope));
     let per_block = if split { 0.0 } else { 2.0 * hg * latent * (nope + v) };
     c.flops.fp32 += active * groups * per_block + 2.0 * selected * heads * latent;

@@ -164,9 +164,9 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         let (mma, qbs) = mma_layout(hg, latent, rope, kv.row_elems(), out_bf16 == 1);
         // The q_abs partial sums and (MMA) the split q and p tiles share one scratch region.
         let xs = (qs * hg * nl * 512).max(mma as usize * (3 * hg * qbs as usize + threads as usize / 32 * 576));
-        // the tensor-core path keeps each warp's 16-row tile for the context where the q_abs |
-        // ctx region (free during the tiles) holds a tile per warp
-        let stage = mma == 1 && (threads as usize / 32) * 16 * latent * 2 <= hg * nl * 1024;
+        // the tensor-core path keeps as many 128-dim chunks of each warp's 16-row tile for the
+        // context as the q_abs | ctx region (free during the tiles) holds for every warp
+        let stage = if mma == 1 { (hg * nl * 1024 / ((threads as usize / 32) * 16 * 256)).min(nl) } else { 0 };
         MlaAttentionParams {
             arch: cx.arch,
             heads: heads as u32,
