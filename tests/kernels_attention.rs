@@ -13,7 +13,7 @@ use kiln_runtime::cpu::reference::{self, Cache, MlaGeometry, TokenInputs};
 use kiln_runtime::cpu::rope::Rope;
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
 use kiln_runtime::numerics::f32_to_bf16;
-use kiln_runtime::plan::{AttentionForm, DType, KvLayout};
+use kiln_runtime::plan::{AttentionForm, DType, KvLayout, SplitKLayout};
 use kiln_runtime::rng::Rng;
 use kiln_runtime::verify::{compare, Values};
 
@@ -233,7 +233,7 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
     let bpa = gm.alloc_bytes("partials", &vec![0xFF; c.tokens.max(1) * c.splits.max(1) * g.heads * (g.latent + 4) * 4]);
     let mut args: Vec<KernelArg> = [bq, bw, bt, bp, bs, bpt, bc, br, bo, ba, bpa].iter().map(|&b| KernelArg::U64(gm.addr(b))).collect();
     args.push(KernelArg::F32(c.scale));
-    let (mut cache_read, mut staged_read) = (0u64, Vec::new());
+    let (mut cache_read, mut staged_read, mut combined) = (0u64, Vec::new(), Vec::new());
     // the most 128-dim latent chunks of every warp's tile the q_abs | ctx region holds (lowering's STAGE)
     let fits = |threads: u32, mma: u32| if mma == 1 { (c.hg * nl * 1024 / ((threads as usize / 32) * 16 * 256)).min(nl) } else { 0 };
     let stats = if c.splits == 0 {
@@ -269,7 +269,7 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
         };
         let rpw = if c.tokens <= 4 { 1 } else if c.tokens <= 16 { 2 } else { 4 };
         let rpw = [rpw, 2, 1].into_iter().find(|r| *r <= rpw && g.v % (8 * r) == 0).unwrap();
-        let helper = |mode: u32, dpl: u32| MlaSplitParams {
+        let helper = |mode: u32, dpl: u32, ds: u32| MlaSplitParams {
             arch: 120,
             heads: g.heads as u32,
             nope: g.nope as u32,
@@ -282,17 +282,21 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
             rpw: if mode == 2 { rpw as u32 } else { 1 },
             dpl,
             threads: if mode == 1 { 32 } else { 256 },
+            ds,
+            partials: if mode == 3 { SplitKLayout::PARTIALS as u32 } else { 0 },
             mode,
             q_bf16: c.q_bf16 as u32,
             out_bf16: c.out_bf16 as u32,
         };
-        let hargs: Vec<KernelArg> = [bq, bw, ba, bpa, bo].iter().map(|&b| KernelArg::U64(gm.addr(b))).collect();
-        let run_helper = |mode: u32, dpl: u32, grid: [u32; 3], gm: &mut GlobalMemory| {
-            let h = helper(mode, dpl);
+        // the rank's split-K region (zeroed, as the runtime allocates it), for MODE 3
+        let bk = gm.alloc_bytes("split_k", &vec![0; SplitKLayout::BYTES as usize]);
+        let hargs: Vec<KernelArg> = [bq, bw, ba, bpa, bo, bk].iter().map(|&b| KernelArg::U64(gm.addr(b))).collect();
+        let run_helper = |mode: u32, dpl: u32, ds: u32, grid: [u32; 3], gm: &mut GlobalMemory| {
+            let h = helper(mode, dpl, ds);
             let m = Module::parse(&h.render().unwrap(), "mla_split.ptx").unwrap();
             launch(&m, MlaSplitParams::ENTRY, grid, [h.threads, 1, 1], h.dynamic_smem().unwrap(), &hargs, gm).unwrap()
         };
-        run_helper(0, 4, [g.heads as u32, (g.latent / 32) as u32, 1], &mut gm);
+        run_helper(0, 4, 0, [g.heads as u32, (g.latent / 32) as u32, 1], &mut gm);
         let module = Module::parse(&split.render().unwrap(), "mla_attention.ptx").unwrap();
         let grid = [(g.heads / c.hg) as u32, c.tokens as u32, c.splits as u32];
         let stats = launch(&module, MlaAttentionParams::ENTRY, grid, [threads, 1, 1], split.dynamic_smem().unwrap(), &args, &mut gm).unwrap();
@@ -313,15 +317,33 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
         // the combine with 1 and 2 latent dims per lane (more blocks, as small batches get) writes
         // the 4-dim context bit for bit: every dim's sum is the same
         let combine = |dpl: usize, gm: &mut GlobalMemory| {
-            run_helper(1, dpl as u32, [(g.heads * g.latent.div_ceil(32 * dpl)) as u32, c.tokens as u32, 1], gm);
+            run_helper(1, dpl as u32, 0, [(g.heads * g.latent.div_ceil(32 * dpl)) as u32, c.tokens as u32, 1], gm);
             gm.read(ba)
         };
         let (narrow, two) = (combine(1, &mut gm), combine(2, &mut gm));
         let ctx = combine(4, &mut gm);
         assert!(narrow == ctx && two == ctx, "the combine with 1 or 2 dims per lane differs from 4");
-        run_helper(2, 4, [(g.heads * g.v / (8 * rpw)) as u32, 1, 1], &mut gm);
+        // MODE 3 (combine and output in one launch) with every slice width that divides the
+        // latent, run twice: the same output both times (its head counters are back at zero)
+        let partials = gm.read(bpa);
+        let w_uv = (g.heads * g.v * g.latent * 2) as u64;
+        for ds in [16usize, 32, 64].into_iter().filter(|ds| g.latent % ds == 0) {
+            let mut runs = Vec::new();
+            for _ in 0..2 {
+                gm.write(bo, 0, &vec![0xFF; c.tokens * g.heads * g.v * osize]);
+                let before = gm.bytes_loaded(bw);
+                run_helper(3, 4, ds as u32, [(g.heads * g.latent / ds) as u32, 1, 1], &mut gm);
+                assert_eq!(gm.bytes_loaded(bw) - before, w_uv, "MODE 3 ({ds} dims per block) reads W_UV once");
+                runs.push(gm.read(bo));
+            }
+            assert!(runs[0] == runs[1], "MODE 3 ({ds} dims per block) differs between two launches");
+            assert!(gm.read(bk)[..4 * g.heads].iter().all(|&b| b == 0), "MODE 3 left a head counter non-zero");
+            assert!(gm.read(bpa) == partials, "MODE 3 wrote the split states");
+            combined.push((ds, floats(&runs[0], c.out_bf16)));
+        }
+        run_helper(2, 4, 0, [(g.heads * g.v / (8 * rpw)) as u32, 1, 1], &mut gm);
         // kv_b is read once per step (W_UK by the absorb launch, W_UV by the output launch)
-        assert_eq!(gm.bytes_loaded(bw), kv_b_bytes.len() as u64, "kv_b bytes read");
+        assert_eq!(gm.bytes_loaded(bw) - w_uv * 2 * combined.len() as u64, kv_b_bytes.len() as u64, "kv_b bytes read");
         stats
     };
     let out = gm.read(bo);
@@ -381,6 +403,9 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
         let mut want = vec![0f32; c.tokens * g.heads * g.v];
         reference::mla_attention(&q, sel, &inputs, &cache, layer, &geo, &rope, c.out_bf16, &mut want);
         check(&format!("{what} vs CPU {form:?}"), c.out_bf16, &got, &want);
+        for (ds, got) in &combined {
+            check(&format!("{what}, combine and output in one launch ({ds} dims per block), vs CPU {form:?}"), c.out_bf16, got, &want);
+        }
         // Padding tokens are zeros; active tokens attend to something (a row whose only position
         // became -1 legitimately gives zeros, on both sides), so nothing passes trivially.
         let mut live = 0;
@@ -677,7 +702,8 @@ fn glm5_and_tiny_instances_assemble_for_sm_120a() {
         worst = (worst.0.max(r), worst.1.max(s));
     }
     for (tokens, splits, rpw) in [(1u32, 128u32, 1u32), (1, 64, 1), (64, 6, 4)] {
-        for mode in 0..3 {
+        // MODE 3 (combine and output in one launch) at batch 1 with 16 and 64 dims per block
+        for (mode, ds) in [(0u32, 0u32), (1, 0), (2, 0), (3, 16), (3, 64)].into_iter().filter(|&(m, _)| m < 3 || tokens == 1) {
             let h = MlaSplitParams {
                 arch: 120,
                 heads: 8,
@@ -692,12 +718,14 @@ fn glm5_and_tiny_instances_assemble_for_sm_120a() {
                 // the combine at batch 1 takes one latent dim per lane (128 blocks)
                 dpl: if mode == 1 && tokens == 1 { 1 } else { 4 },
                 threads: if mode == 1 { 32 } else { 256 },
+                ds,
+                partials: if mode == 3 { SplitKLayout::PARTIALS as u32 } else { 0 },
                 mode,
                 q_bf16: 1,
                 out_bf16: 1,
             };
             let smem = h.dynamic_smem().unwrap();
-            let r = common::assemble_within_budget(&ptxas, &format!("glm5_mla_split_t{tokens}_mode{mode}"), &h.render().unwrap(), smem);
+            let r = common::assemble_within_budget(&ptxas, &format!("glm5_mla_split_t{tokens}_s{splits}_mode{mode}_ds{ds}"), &h.render().unwrap(), smem);
             worst = (worst.0.max(r.registers), worst.1.max(r.smem_static_bytes + smem));
         }
     }

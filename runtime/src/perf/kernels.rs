@@ -408,7 +408,9 @@ fn mla_attention(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<()
 /// The other three launches of split-KV decode attention (all tokens, padding too). MODE 0
 /// (absorb): W_UK once, each block the q_nope rows of its head for every token; MODE 1
 /// (combine): every split's state once; MODE 2 (output): W_UV once, each block its head's
-/// context of every token.
+/// context of every token; MODE 3 (both): W_UV and every split's context once, (m, l) once per
+/// slice block, the slices' f32 partial sums written and read once (the head's last block), a
+/// counter atomic per block.
 fn mla_split(p: &Params, l: &Launch, c: &mut Cost) -> Result<(), String> {
     let (heads, nope, v, latent) = (p.v("HEADS")?, p.v("NOPE")?, p.v("V")?, p.v("LATENT")?);
     let (tokens, splits, mode) = (p.v("TOKENS")?, p.v("SPLITS")?, p.v("MODE")?);
@@ -426,6 +428,17 @@ fn mla_split(p: &Params, l: &Launch, c: &mut Cost) -> Result<(), String> {
             c.read(Class::Activations, tokens * heads * splits * latent * 4.0, 1.0);
             c.write(tokens * heads * latent * 4.0);
             c.flops.fp32 += 2.0 * tokens * heads * splits * latent;
+        }
+        3 => {
+            let slices = latent / p.v("DS")?;
+            let sums = slices * tokens * heads * v * 4.0;
+            c.read(Class::Weights, heads * v * latent * 2.0, 1.0);
+            c.read(Class::Activations, tokens * heads * splits * 8.0, slices);
+            c.read(Class::Activations, tokens * heads * splits * latent * 4.0, 1.0);
+            c.read(Class::Activations, sums, 1.0);
+            c.read(Class::Activations, 4.0, heads * slices);
+            c.write(sums + 4.0 * heads * slices + tokens * heads * v * p.size("OUT_BF16")?);
+            c.flops.fp32 += 2.0 * tokens * heads * (splits + v) * latent;
         }
         _ => {
             c.read(Class::Weights, heads * v * latent * 2.0, 1.0);

@@ -12,7 +12,7 @@
 use super::{candidate_us, fits, float_flag, numel, of_grid, width, Cx, Instance, THREADS};
 use kiln_runtime::perf::Constants;
 use crate::kernels::{MlaAttentionArgs, MlaAttentionParams, MlaSplitArgs, MlaSplitParams, Ptr};
-use kiln_runtime::plan::{DType, Op};
+use kiln_runtime::plan::{DType, Op, SplitKLayout};
 
 /// Context accumulators a lane may hold: heads per block x 4 dims x latent chunks of 128.
 const MAX_CTX_REGS: usize = 128;
@@ -68,6 +68,11 @@ fn mma_layout(hg: usize, latent: usize, rope: usize, row: usize, out_bf16: bool)
     }
 }
 
+/// Most bytes of partial sums the last slice block of a head adds up in `mla_split` MODE 3: that
+/// block runs alone after the others (a tail the byte model does not see: a token's slices per
+/// round trip of its loads), so the one-launch form stays where the tail is a few round trips.
+const MAX_LAST_BLOCK_SUMS: usize = 64 << 10;
+
 /// Positions per staging round: the top-k width rounded up to whole rounds of the block, or a
 /// fixed chunk for dense attention (the context is unbounded).
 fn chunk(topk: usize, threads: u32) -> usize {
@@ -101,13 +106,41 @@ fn split_threads(per_split: usize) -> u32 {
 /// its head once, so more rows per warp re-read the contexts less but leave SMs idle (batch 1:
 /// 1 row, 256 blocks; batch 64: 2 rows, 128 blocks, where 4 rows left 124 SMs idle). Ties: more
 /// rows.
-fn rows_per_warp(tokens: usize, heads: usize, v: usize, latent: usize, out_size: usize, k: &Constants) -> usize {
+fn rows_per_warp(tokens: usize, heads: usize, v: usize, latent: usize, out_size: usize, k: &Constants) -> (usize, f64) {
     let cost = |r: usize| {
         let (blocks, per_head) = (heads * v / (8 * r), v / (8 * r));
         let ctx = tokens * heads * latent * 4 * per_head + tokens * heads * v * out_size;
         candidate_us((heads * v * latent * 2) as f64, ctx as f64, (2 * tokens * heads * v * latent) as f64, blocks as f64, k)
     };
-    [4usize, 2, 1].into_iter().filter(|r| v % (8 * r) == 0).map(|r| (r, cost(r))).fold((1, f64::MAX), |best, c| if c.1 < best.1 { c } else { best }).0
+    [4usize, 2, 1].into_iter().filter(|r| v % (8 * r) == 0).map(|r| (r, cost(r))).fold((1, f64::MAX), |best, c| if c.1 < best.1 { c } else { best })
+}
+
+/// The combine's predicted µs (`mla_split` MODE 1 with `dpl` latent dims per lane): every split's
+/// state once, (m, l) once per block of a head.
+fn combine_us(tokens: usize, heads: usize, latent: usize, splits: usize, dpl: usize, k: &Constants) -> f64 {
+    let per_head = latent.div_ceil(32 * dpl);
+    let bytes = tokens * heads * splits * (8 * per_head + latent * 4) + tokens * heads * latent * 4;
+    candidate_us(0.0, bytes as f64, (2 * tokens * heads * splits * latent) as f64, (heads * per_head * tokens) as f64, k)
+}
+
+/// Latent dims per block of `mla_split` MODE 3 (combine and output projection in one launch)
+/// where the byte model prices it below the two launches it replaces (`two_us`), with its
+/// predicted µs: each block combines its slice of every token and multiplies it by its W_UV
+/// columns, the slices' partial sums written to the split-K region and read once by the head's
+/// last block. None where no slice width fits (the template: 16, 32 or 64 dims; V rows within
+/// a block; the partial sums within the region and a last block's within `MAX_LAST_BLOCK_SUMS`).
+fn combined_slice(tokens: usize, heads: usize, v: usize, latent: usize, splits: usize, out_size: usize, two_us: f64, k: &Constants) -> Option<(usize, f64)> {
+    let cost = |ds: usize| {
+        let sl = latent / ds;
+        let bytes = tokens * heads * splits * (8 * sl + latent * 4) + 2 * sl * tokens * heads * v * 4 + 8 * heads * sl + tokens * heads * v * out_size;
+        let flops = 2 * tokens * heads * (splits + v) * latent;
+        candidate_us((heads * v * latent * 2) as f64, bytes as f64, flops as f64, (heads * sl) as f64, k)
+    };
+    let fits = |ds: usize| {
+        let sums = (latent / ds) * tokens * v * 4;
+        latent % ds == 0 && v <= THREADS as usize && sums <= MAX_LAST_BLOCK_SUMS && sums * heads <= SplitKLayout::PARTIAL_BYTES as usize && heads <= SplitKLayout::COUNTERS as usize
+    };
+    [64usize, 32, 16].into_iter().filter(|&ds| fits(ds)).map(|ds| (ds, cost(ds))).filter(|&(_, us)| us < two_us).fold(None, |best: Option<(usize, f64)>, c| if best.is_none_or(|b| c.1 < b.1) { Some(c) } else { best })
 }
 
 pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
@@ -234,7 +267,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     // the combine's latent dims per lane: the most (4) whose blocks still cover the SMs, else 1
     let sms = cx.consts.sms as usize;
     let dpl = [4usize, 2].into_iter().find(|d| heads * latent.div_ceil(32 * d) * tokens >= sms).unwrap_or(1);
-    let helper = |mode: u32, rpw: usize| MlaSplitParams {
+    let helper = |mode: u32, rpw: usize, ds: usize| MlaSplitParams {
         arch: cx.arch,
         heads: heads as u32,
         nope: nope as u32,
@@ -247,18 +280,29 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         rpw: rpw as u32,
         dpl: if mode == 1 { dpl as u32 } else { 4 },
         threads: if mode == 1 { 32 } else { THREADS },
+        ds: ds as u32,
+        partials: if mode == 3 { SplitKLayout::PARTIALS as u32 } else { 0 },
         mode,
         q_bf16,
         out_bf16,
     };
-    let args = MlaSplitArgs { q: Ptr::Buffer(q), kv_b: Ptr::Weight(kv_b), absorbed: Ptr::Buffer(absorbed), partials: Ptr::Buffer(partials), out: Ptr::Buffer(out) }.launch_args();
-    let rpw = rows_per_warp(tokens, heads, v, latent, if out_bf16 == 1 { 2 } else { 4 }, &cx.consts);
-    let (absorb, combine, output) = (helper(0, 1), helper(1, 1), helper(2, rpw));
+    let split_args = |splitk: Ptr| MlaSplitArgs { q: Ptr::Buffer(q), kv_b: Ptr::Weight(kv_b), absorbed: Ptr::Buffer(absorbed), partials: Ptr::Buffer(partials), out: Ptr::Buffer(out), splitk }.launch_args();
+    let args = split_args(Ptr::Buffer(out));
+    let out_size = if out_bf16 == 1 { 2 } else { 4 };
+    let (rpw, output_us) = rows_per_warp(tokens, heads, v, latent, out_size, &cx.consts);
+    let absorb = helper(0, 1, 0);
     fits(absorb.dynamic_smem()? as usize, cx.smem_limit, "the MLA absorb launch")?;
-    Ok(vec![
-        of_grid(&absorb, [heads as u32, (latent / 32) as u32, 1], THREADS, args.clone()),
-        attention,
-        of_grid(&combine, [(heads * latent.div_ceil(32 * dpl)) as u32, tokens as u32, 1], 32, args.clone()),
-        of_grid(&output, [(heads * v / (8 * rpw)) as u32, 1, 1], THREADS, args),
-    ])
+    let mut launches = vec![of_grid(&absorb, [heads as u32, (latent / 32) as u32, 1], THREADS, args.clone()), attention];
+    // combine and output projection in one launch where the byte model prices it lower (small
+    // batches: the launch saved, W_UV read once by slices), else two
+    let two_us = combine_us(tokens, heads, latent, n_splits, dpl, &cx.consts) + output_us;
+    if let Some((ds, _)) = combined_slice(tokens, heads, v, latent, n_splits, out_size, two_us, &cx.consts) {
+        let both = helper(3, 1, ds);
+        launches.push(of_grid(&both, [(heads * latent / ds) as u32, 1, 1], THREADS, split_args(Ptr::SplitKRegion)));
+    } else {
+        let (combine, output) = (helper(1, 1, 0), helper(2, rpw, 0));
+        launches.push(of_grid(&combine, [(heads * latent.div_ceil(32 * dpl)) as u32, tokens as u32, 1], 32, args.clone()));
+        launches.push(of_grid(&output, [(heads * v / (8 * rpw)) as u32, 1, 1], THREADS, args));
+    }
+    Ok(launches)
 }
