@@ -382,6 +382,24 @@ fn split_k_across_blocks_matches_the_cpu_and_replays_the_same_bits() {
     }
 }
 
+#[test]
+fn tiled_k_across_blocks_matches_the_cpu_and_replays_the_same_bits() {
+    // (M, N, K, x BF16, out BF16, m16 tiles per warp, K slices) of the tiled form: o_proj-like
+    // rows at batch 64 (2,048 = 64 stages of 32 over 4 blocks), a last slice shorter than the
+    // others (1,040 = 33 stages over 3: 11 each; over 4: 9, the last 6), M and N past the block,
+    // a K tail, F32 activations (three planes) and outputs, two row blocks of 64.
+    let cases = [
+        (64, 300, 2048, true, true, 2, 4),
+        (50, 200, 1040, true, false, 2, 3),
+        (33, 136, 1040, false, true, 2, 4),
+        (100, 72, 776, false, false, 2, 2),
+    ];
+    for (i, &(m, n, k, x_bf16, out_bf16, mt, ks)) in cases.iter().enumerate() {
+        let base = tiled(mt, 2, 3);
+        bf16_case(m, n, k, x_bf16, out_bf16, Form { ks, ..base }, 840 + i as u64);
+    }
+}
+
 /// One launch of a group of BF16 linears of the same x (`SEGS`: weights and outputs side by
 /// side in the columns), each output against the CPU's linear under verify's tolerance; with
 /// `shift` the launch gets segment 1's first column moved by that many (a mutant), and the
@@ -581,9 +599,9 @@ fn glm5_prefill_shapes_assemble_without_spills() {
                 let f = if picked.split == 1 {
                     split_k(picked.mt, picked.nt, picked.ks)
                 } else if picked.mt == 4 {
-                    tiled(4, 2, 4)
+                    Form { ks: picked.ks, ..tiled(4, 2, 4) }
                 } else {
-                    tiled(2, 2, 3)
+                    Form { ks: picked.ks, ..tiled(2, 2, 3) }
                 };
                 let partials = if f.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
                 let p = LinearBf16GemmParams { arch, m, n, k, segs: 1, c1: 0, c2: 0, c3: 0, split: f.split, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16, out_bf16, norm: 0, nw_bf16: 0 };

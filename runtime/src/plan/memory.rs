@@ -74,10 +74,12 @@ impl MemoryPlan {
     }
 }
 
-/// The per-rank split-K region of the BF16 GEMM's cross-block form (`linear_bf16_gemm.ptx`,
-/// KS > 1): a u32 arrival counter per output tile ([`SplitKLayout::COUNTERS`] of them, zero
-/// between launches: the last block's `atom.inc` wraps its tile's back to zero), then the f32
-/// partial sums of one launch (`KS x M x N`). Launches replay one at a time, so every launch
+/// The per-rank split-K region of the GEMMs' cross-block forms (`linear_bf16_gemm.ptx` KS > 1,
+/// `linear_nvfp4_gemm.ptx` SLICES > 1) and of split-KV attention's combine with the output
+/// projection (`mla_split.ptx` MODE 3, a counter per head): a u32 arrival counter per output
+/// tile ([`SplitKLayout::COUNTERS`] of them, zero between launches: the last block's
+/// `atom.inc` wraps its tile's back to zero), then the f32 partial sums of one launch
+/// (`KS x M x N`). Launches replay one at a time, so every launch
 /// uses the same region. The runtime allocates it zeroed on every GPU that runs such a launch;
 /// like the P2P region it comes out of the memory plan's headroom.
 pub struct SplitKLayout;
@@ -87,8 +89,9 @@ impl SplitKLayout {
     pub const COUNTERS: u64 = 4096;
     /// Byte offset of the partial sums.
     pub const PARTIALS: u64 = 4 * Self::COUNTERS;
-    /// Bytes of the region.
-    pub const BYTES: u64 = 4 << 20;
+    /// Bytes of the region (a tiled projection at decode batch 64 sharing K over 4 blocks keeps
+    /// 4 x 64 x 6,144 f32 sums).
+    pub const BYTES: u64 = 16 << 20;
     /// Bytes of partial sums one launch may use.
     pub const PARTIAL_BYTES: u64 = Self::BYTES - Self::PARTIALS;
 }

@@ -58,10 +58,14 @@ pub struct Bf16Form {
     pub split: u32,
     pub mt: u32,
     pub nt: u32,
-    /// Split form: blocks that share out K (grid.z; > 1 adds the partials through the split-K
-    /// region, `SplitKLayout`).
+    /// Blocks that share out K (grid.z; > 1 adds the partials through the split-K region,
+    /// `SplitKLayout`).
     pub ks: u32,
 }
+
+/// K stages each slice of a tiled form sharing K over blocks keeps (its ring of cp.async
+/// stages fills and drains once per block).
+const MIN_TILED_STAGES: usize = 8;
 
 /// Cross-block K slices the split forms may take (see [`ks_allowed`]).
 const KS_CANDIDATES: [u32; 12] = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64];
@@ -89,8 +93,22 @@ pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Const
     if m > BF16_SPLIT_MAX_M {
         return (tiled, cost(&tiled));
     }
-    let best = cheapest(bf16_split_forms(m, n, k).chain([tiled]), &cost).unwrap_or(tiled);
+    let best = cheapest(bf16_split_forms(m, n, k).chain(bf16_tiled_forms(tiled, m, n, k)), &cost).unwrap_or(tiled);
     (best, cost(&best))
+}
+
+/// The tiled form at decode-sized M, its K stages shared out over `ks` blocks where each slice
+/// keeps `MIN_TILED_STAGES` stages for its ring, none is empty, and the tiles and partial sums
+/// fit the split-K region: a 6,144-column projection at batch 64 reads its activations once per
+/// 128 columns (48 column blocks, not the split form's 192) and still fills the GPU.
+fn bf16_tiled_forms(tiled: Bf16Form, m: usize, n: usize, k: usize) -> impl Iterator<Item = Bf16Form> {
+    let tiles = n.div_ceil(GEMM_BN) * m.div_ceil(32 * tiled.mt as usize);
+    let steps = k.div_ceil(16 * BF16_KB as usize);
+    KS_CANDIDATES.into_iter().filter(move |&ks| {
+        let per = steps.div_ceil(ks as usize);
+        ks == 1 || (per >= MIN_TILED_STAGES && (ks as usize - 1) * per < steps && tiles as u64 <= SplitKLayout::COUNTERS && (ks as usize * m * n * 4) as u64 <= SplitKLayout::PARTIAL_BYTES)
+    })
+    .map(move |ks| Bf16Form { ks, ..tiled })
 }
 
 /// The cheapest split form of M x N x K (for a group's columns side by side, which has no
@@ -207,7 +225,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             } else {
                 let mt = form.mt;
                 let stage = LinearBf16GemmParams { mt, nbuf: 1, ..base }.dynamic_smem()? as usize;
-                (LinearBf16GemmParams { mt, nbuf: ring(stage, cx.smem_limit), ..base }, 32 * mt as usize, GEMM_BN)
+                (LinearBf16GemmParams { mt, nbuf: ring(stage, cx.smem_limit), ks: form.ks, partials, ..base }, 32 * mt as usize, GEMM_BN)
             };
             fits(params.dynamic_smem()? as usize, cx.smem_limit, "the BF16 GEMM")?;
             let grid = [u(n.div_ceil(bn)), u(m.div_ceil(bm)), params.ks];
