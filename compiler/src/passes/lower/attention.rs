@@ -278,7 +278,11 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         tokens: tokens as u32,
         splits: n_splits as u32,
         rpw: rpw as u32,
-        dpl: if mode == 1 { dpl as u32 } else { 4 },
+        dpl: match mode {
+            1 => dpl as u32,
+            3 => (ds as u32 / 32).max(1),
+            _ => 4,
+        },
         threads: if mode == 1 { 32 } else { THREADS },
         ds: ds as u32,
         partials: if mode == 3 { SplitKLayout::PARTIALS as u32 } else { 0 },

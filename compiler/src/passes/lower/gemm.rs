@@ -425,14 +425,17 @@ mod tests {
         // of the bandwidth for 37.8 MB, 444 MB-equivalents; two row blocks of 32 rows and 32
         // weight rows make 128 blocks for 100.7 MB, 148; one row block of 64 rows (weights
         // once, 25.2 MB; x once per 32-row column block, 50.3 MB) with K over 3 blocks makes
-        // 192 blocks for 78.6 MB with the partials' 3.1 MB: 79.
-        assert_eq!(form(64, 2048, 6144, true), Bf16Form { split: 1, mt: 4, nt: 4, ks: 3 });
+        // 192 blocks for 78.6 MB with the partials' 3.1 MB: 79; the 16 tiled blocks with their
+        // 192 K stages over 12 blocks make 192 too, for 25.2 MB of weights, x once per 128
+        // columns (12.6 MB) and the partials written and read (12.6 MB): 50.
+        assert_eq!(form(64, 2048, 6144, true), Bf16Form { split: 0, mt: 2, nt: 1, ks: 12 });
         // Prefill is always tiled, 128 rows per block with BF16 activations.
         assert_eq!(form(2048, 2048, 6144, true), Bf16Form { split: 0, mt: 4, nt: 1, ks: 1 });
         assert_eq!(form(2048, 2048, 6144, false), Bf16Form { split: 0, mt: 2, nt: 1, ks: 1 });
         // The lm_head slice (19,360 rows) at 32 tokens: the widest split blocks re-read the
-        // activations 605 times; 128-wide tiles read them 152 times and still fill the GPU.
-        assert_eq!(form(32, 19_360, 6144, true), Bf16Form { split: 0, mt: 2, nt: 1, ks: 1 });
+        // activations 605 times; 128-wide tiles read them 152 times, and with K over 2 blocks
+        // (304 blocks; the partials' 9.9 MB) they fill the GPU, where 152 blocks leave 36 SMs idle.
+        assert_eq!(form(32, 19_360, 6144, true), Bf16Form { split: 0, mt: 2, nt: 1, ks: 2 });
         // The indexer's 32 head-weight rows at batch 64: 16-row blocks of 8 weight rows were 16
         // blocks (4.7 MB at 16/188: 36 µs); 32-row blocks of 16 weight rows with K over 48
         // blocks make 192 (x 1.6 MB, weights 0.8 MB, partials 0.8 MB: 2.1 µs).
@@ -440,8 +443,10 @@ mod tests {
         // ... and at batch 1: the GEMV's 32 blocks each staged all of x; K over 48 blocks of 8
         // rows (8 k16 steps each, one per warp) fills 192 SMs with the weights read once.
         assert_eq!(form(1, 32, 6144, true), Bf16Form { split: 1, mt: 1, nt: 1, ks: 48 });
-        // o_proj-sized (6,144 x 2048) at batch 64: 192 blocks already; slices only add partials.
-        assert_eq!(form(64, 6144, 2048, true), Bf16Form { split: 1, mt: 4, nt: 4, ks: 1 });
+        // o_proj-sized (6,144 x 2048) at batch 64: the split form's 192 column blocks each read
+        // all of x (50.3 MB beside the weights' 25.2); 48 tiled blocks of 128 columns with K over
+        // 4 blocks make 192 too and read x 48 times (12.6 MB) with 12.6 MB of partials.
+        assert_eq!(form(64, 6144, 2048, true), Bf16Form { split: 0, mt: 2, nt: 1, ks: 4 });
     }
 
     #[test]
