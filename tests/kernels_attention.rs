@@ -332,7 +332,7 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
             for _ in 0..2 {
                 gm.write(bo, 0, &vec![0xFF; c.tokens * g.heads * g.v * osize]);
                 let before = gm.bytes_loaded(bw);
-                run_helper(3, (ds as u32 / 32).max(1), ds as u32, [(g.heads * g.latent / ds) as u32, 1, 1], &mut gm);
+                run_helper(3, 4, ds as u32, [(g.heads * g.latent / ds) as u32, 1, 1], &mut gm);
                 assert_eq!(gm.bytes_loaded(bw) - before, w_uv, "MODE 3 ({ds} dims per block) reads W_UV once");
                 runs.push(gm.read(bo));
             }
@@ -716,7 +716,7 @@ fn glm5_and_tiny_instances_assemble_for_sm_120a() {
                 splits,
                 rpw: if mode == 2 { rpw } else { 1 },
                 // the combine at batch 1 takes one latent dim per lane (128 blocks)
-                dpl: if mode == 1 && tokens == 1 { 1 } else if mode == 3 { (ds / 32).max(1) } else { 4 },
+                dpl: if mode == 1 && tokens == 1 { 1 } else { 4 },
                 threads: if mode == 1 { 32 } else { 256 },
                 ds,
                 partials: if mode == 3 { SplitKLayout::PARTIALS as u32 } else { 0 },

@@ -364,7 +364,7 @@ fn split_k_bf16_gemm_matches_the_cpu_for_decode_sized_m() {
 }
 
 #[test]
-fn split_k_across_blocks_matches_the_cpu_and_replays_the_same_bits() {
+fn k_across_blocks_matches_the_cpu_and_replays_the_same_bits() {
     // (M, N, K, x BF16, out BF16, m16 tiles, n8 tiles, K slices): GLM-5's indexer head weights
     // (32 x 6144) and q_a-like rows at batch 1 and 64, a last slice shorter than the others
     // (384 k16 steps over 24 = 16 each; 300 steps over 16: 19, the last 15), K with an 8 tail,
@@ -380,23 +380,13 @@ fn split_k_across_blocks_matches_the_cpu_and_replays_the_same_bits() {
     for (i, &(m, n, k, x_bf16, out_bf16, mt, nt, ks)) in cases.iter().enumerate() {
         bf16_case(m, n, k, x_bf16, out_bf16, split_k(mt, nt, ks), 820 + i as u64);
     }
-}
-
-#[test]
-fn tiled_k_across_blocks_matches_the_cpu_and_replays_the_same_bits() {
-    // (M, N, K, x BF16, out BF16, m16 tiles per warp, K slices) of the tiled form: o_proj-like
-    // rows at batch 64 (2,048 = 64 stages of 32 over 4 blocks), a last slice shorter than the
-    // others (1,040 = 33 stages over 3: 11 each; over 4: 9, the last 6), M and N past the block,
-    // a K tail, F32 activations (three planes) and outputs, two row blocks of 64.
-    let cases = [
-        (64, 300, 2048, true, true, 2, 4),
-        (50, 200, 1040, true, false, 2, 3),
-        (33, 136, 1040, false, true, 2, 4),
-        (100, 72, 776, false, false, 2, 2),
-    ];
-    for (i, &(m, n, k, x_bf16, out_bf16, mt, ks)) in cases.iter().enumerate() {
-        let base = tiled(mt, 2, 3);
-        bf16_case(m, n, k, x_bf16, out_bf16, Form { ks, ..base }, 840 + i as u64);
+    // The tiled form (M, N, K, x BF16, out BF16, m16 tiles per warp, K slices), its K stages of
+    // 32 over the slices: o_proj-like rows at batch 64 (64 stages over 4), a last slice shorter
+    // than the others (33 stages over 3: 11 each; over 4: 9, the last 6), M and N past the
+    // block, a K tail, F32 activations (three planes) and outputs, two row blocks of 64.
+    let tiled_cases = [(64, 300, 2048, true, true, 2, 4), (50, 200, 1040, true, false, 2, 3), (33, 136, 1040, false, true, 2, 4), (100, 72, 776, false, false, 2, 2)];
+    for (i, &(m, n, k, x_bf16, out_bf16, mt, ks)) in tiled_cases.iter().enumerate() {
+        bf16_case(m, n, k, x_bf16, out_bf16, Form { ks, ..tiled(mt, 2, 3) }, 840 + i as u64);
     }
 }
 

@@ -124,12 +124,11 @@ fn combine_us(tokens: usize, heads: usize, latent: usize, splits: usize, dpl: us
 }
 
 /// Latent dims per block of `mla_split` MODE 3 (combine and output projection in one launch)
-/// where the byte model prices it below the two launches it replaces (`two_us`), with its
-/// predicted µs: each block combines its slice of every token and multiplies it by its W_UV
+/// where the byte model prices it below the two launches it replaces (`two_us`): each block combines its slice of every token and multiplies it by its W_UV
 /// columns, the slices' partial sums written to the split-K region and read once by the head's
 /// last block. None where no slice width fits (the template: 16, 32 or 64 dims; V rows within
 /// a block; the partial sums within the region and a last block's within `MAX_LAST_BLOCK_SUMS`).
-fn combined_slice(tokens: usize, heads: usize, v: usize, latent: usize, splits: usize, out_size: usize, two_us: f64, k: &Constants) -> Option<(usize, f64)> {
+fn combined_slice(tokens: usize, heads: usize, v: usize, latent: usize, splits: usize, out_size: usize, two_us: f64, k: &Constants) -> Option<usize> {
     let cost = |ds: usize| {
         let sl = latent / ds;
         let bytes = tokens * heads * splits * (8 * sl + latent * 4) + 2 * sl * tokens * heads * v * 4 + 8 * heads * sl + tokens * heads * v * out_size;
@@ -140,7 +139,7 @@ fn combined_slice(tokens: usize, heads: usize, v: usize, latent: usize, splits: 
         let sums = (latent / ds) * tokens * v * 4;
         latent % ds == 0 && v <= THREADS as usize && sums <= MAX_LAST_BLOCK_SUMS && sums * heads <= SplitKLayout::PARTIAL_BYTES as usize && heads <= SplitKLayout::COUNTERS as usize
     };
-    [64usize, 32, 16].into_iter().filter(|&ds| fits(ds)).map(|ds| (ds, cost(ds))).filter(|&(_, us)| us < two_us).fold(None, |best: Option<(usize, f64)>, c| if best.is_none_or(|b| c.1 < b.1) { Some(c) } else { best })
+    [64usize, 32, 16].into_iter().filter(|&ds| fits(ds)).map(|ds| (ds, cost(ds))).filter(|&(_, us)| us < two_us).min_by(|a, b| a.1.total_cmp(&b.1)).map(|(ds, _)| ds)
 }
 
 pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
@@ -278,11 +277,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         tokens: tokens as u32,
         splits: n_splits as u32,
         rpw: rpw as u32,
-        dpl: match mode {
-            1 => dpl as u32,
-            3 => (ds as u32 / 32).max(1),
-            _ => 4,
-        },
+        dpl: if mode == 1 { dpl as u32 } else { 4 },
         threads: if mode == 1 { 32 } else { THREADS },
         ds: ds as u32,
         partials: if mode == 3 { SplitKLayout::PARTIALS as u32 } else { 0 },
@@ -300,7 +295,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     // combine and output projection in one launch where the byte model prices it lower (small
     // batches: the launch saved, W_UV read once by slices), else two
     let two_us = combine_us(tokens, heads, latent, n_splits, dpl, &cx.consts) + output_us;
-    if let Some((ds, _)) = combined_slice(tokens, heads, v, latent, n_splits, out_size, two_us, &cx.consts) {
+    if let Some(ds) = combined_slice(tokens, heads, v, latent, n_splits, out_size, two_us, &cx.consts) {
         let both = helper(3, 1, ds);
         launches.push(of_grid(&both, [(heads * latent / ds) as u32, 1, 1], THREADS, split_args(Ptr::SplitKRegion)));
     } else {

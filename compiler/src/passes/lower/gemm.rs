@@ -67,16 +67,19 @@ pub struct Bf16Form {
 /// stages fills and drains once per block).
 const MIN_TILED_STAGES: usize = 8;
 
+/// Warps of a split-form block (THREADS / 32): each takes every 8th K step.
+const WARPS: usize = THREADS as usize / 32;
+
 /// Cross-block K slices the split forms may take (see [`ks_allowed`]).
 const KS_CANDIDATES: [u32; 12] = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64];
 
-/// Whether a split form with `tiles` output tiles may share its `steps` K steps (k16 for BF16,
-/// k64 for NVFP4; the warps of a block take every 8th) over `ks` blocks: each slice keeps at
-/// least one step per warp and none is empty, the tiles fit the region's counters and the `sums`
-/// f32 partial sums of every slice its bytes.
-fn ks_allowed(ks: u32, tiles: usize, steps: usize, sums: usize) -> bool {
+/// Whether a form with `tiles` output tiles may share its `steps` K steps over `ks` blocks: each
+/// slice keeps at least `min_per` steps (split forms: one per warp, the warps of a block taking
+/// every 8th k16 / k64 step; the tiled form: `MIN_TILED_STAGES` for its ring) and none is empty,
+/// the tiles fit the region's counters and the `sums` f32 partial sums of every slice its bytes.
+fn ks_allowed(ks: u32, tiles: usize, steps: usize, sums: usize, min_per: usize) -> bool {
     let per = steps.div_ceil(ks as usize);
-    ks == 1 || (per >= 8 && (ks as usize - 1) * per < steps && tiles as u64 <= SplitKLayout::COUNTERS && (ks as usize * sums * 4) as u64 <= SplitKLayout::PARTIAL_BYTES)
+    ks == 1 || (per >= min_per && (ks as usize - 1) * per < steps && tiles as u64 <= SplitKLayout::COUNTERS && (ks as usize * sums * 4) as u64 <= SplitKLayout::PARTIAL_BYTES)
 }
 
 /// The BF16 GEMM's form for M x N x K and its predicted µs. Prefill (M > 64) is tiled: 128-row
@@ -104,11 +107,7 @@ pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Const
 fn bf16_tiled_forms(tiled: Bf16Form, m: usize, n: usize, k: usize) -> impl Iterator<Item = Bf16Form> {
     let tiles = n.div_ceil(GEMM_BN) * m.div_ceil(32 * tiled.mt as usize);
     let steps = k.div_ceil(16 * BF16_KB as usize);
-    KS_CANDIDATES.into_iter().filter(move |&ks| {
-        let per = steps.div_ceil(ks as usize);
-        ks == 1 || (per >= MIN_TILED_STAGES && (ks as usize - 1) * per < steps && tiles as u64 <= SplitKLayout::COUNTERS && (ks as usize * m * n * 4) as u64 <= SplitKLayout::PARTIAL_BYTES)
-    })
-    .map(move |ks| Bf16Form { ks, ..tiled })
+    KS_CANDIDATES.into_iter().filter(move |&ks| ks_allowed(ks, tiles, steps, m * n, MIN_TILED_STAGES)).map(move |ks| Bf16Form { ks, ..tiled })
 }
 
 /// The cheapest split form of M x N x K (for a group's columns side by side, which has no
@@ -145,7 +144,7 @@ fn bf16_split_forms(m: usize, n: usize, k: usize) -> impl Iterator<Item = Bf16Fo
     let mts = [all_rows, 2, 1].into_iter().filter(move |&mt| mt <= all_rows);
     mts.flat_map(|mt| [4, 2, 1].map(|nt| (mt, nt))).flat_map(move |(mt, nt)| {
         let tiles = n.div_ceil(8 * nt as usize) * m.div_ceil(16 * mt as usize);
-        KS_CANDIDATES.into_iter().filter(move |&ks| ks_allowed(ks, tiles, k.div_ceil(16), m * n)).map(move |ks| Bf16Form { split: 1, mt, nt, ks })
+        KS_CANDIDATES.into_iter().filter(move |&ks| ks_allowed(ks, tiles, k.div_ceil(16), m * n, WARPS)).map(move |ks| Bf16Form { split: 1, mt, nt, ks })
     })
 }
 
@@ -185,7 +184,7 @@ pub fn nvfp4_gemm_form(m: usize, rows: usize, k: usize, silu: bool, x_bf16: bool
     let mts = [all_rows, 1].into_iter().filter(|&mt| mt <= all_rows);
     let candidates = mts.flat_map(|mt| [4, 2].map(|nt| (mt, nt))).flat_map(|(mt, nt)| {
         let tiles = rows.div_ceil((if silu { 4 } else { 8 }) * nt as usize) * m.div_ceil(16 * mt as usize);
-        KS_CANDIDATES.into_iter().filter(move |&ks| ks_allowed(ks, tiles, k.div_ceil(64), sums)).map(move |ks| (1, mt, nt, ks))
+        KS_CANDIDATES.into_iter().filter(move |&ks| ks_allowed(ks, tiles, k.div_ceil(64), sums, WARPS)).map(move |ks| (1, mt, nt, ks))
     });
     let best = cheapest(candidates.chain([tiled]), cost).unwrap_or(tiled);
     (best, cost(&best))
