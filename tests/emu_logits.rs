@@ -193,9 +193,11 @@ fn kiln_run_on_the_emulator_generates_what_the_cpu_generates() {
 }
 
 /// Merged launches (`passes/merge.rs`: two adjacent independent decode steps' kernels in one
-/// launch) compute what the same plan compiled with `--no-merge` computes, bit for bit: every
-/// logit row of a prefill and of batch-2 decode steps on the emulator (the two plans share
-/// their memory layout, so every kernel reads and writes the same bytes).
+/// launch, and the router's one-block selection as the tail of its gate product at batch 1)
+/// compute what the same plan compiled with `--no-merge` computes, bit for bit: every logit row
+/// of a prefill, of batch-2 decode steps and of one sequence decoding alone (decode_1, replayed
+/// step after step: a chain's counter must be back at zero for the next) on the emulator (the two
+/// plans share their memory layout, so every kernel reads and writes the same bytes).
 #[test]
 fn merged_launches_compute_the_unmerged_plans_logits_bit_for_bit() {
     let (ckpt, ids) = golden_ids("nvfp4_groups");
@@ -211,14 +213,28 @@ fn merged_launches_compute_the_unmerged_plans_logits_bit_for_bit() {
     let concurrent = |art: &Path| {
         let plan = kiln_runtime::plan::read_plan(art).unwrap();
         let steps: Vec<_> = plan.programs.iter().flat_map(|p| &p.steps).filter(|s| matches!(s.op, kiln_runtime::plan::Op::Concurrent { .. })).collect();
-        let launches = plan.programs.iter().flat_map(|p| &p.steps).map(|s| s.launches.len()).sum::<usize>();
-        (steps.len(), launches)
+        let launches = plan.programs.iter().flat_map(|p| &p.steps).flat_map(|s| &s.launches);
+        let chains = launches.clone().filter(|l| plan.kernel(l.kernel).parts.iter().any(|q| q.tail)).count();
+        (steps.len(), chains, launches.count())
     };
-    let ((m, m_launches), (a, a_launches)) = (concurrent(&merged), concurrent(&apart));
+    let ((m, chains, m_launches), (a, no_chains, a_launches)) = (concurrent(&merged), concurrent(&apart));
     assert!(m > 0 && a == 0, "{m} merged steps with merging, {a} without");
-    assert_eq!(a_launches - m_launches, m, "each merged step saves one launch");
+    assert!(chains > 0 && no_chains == 0, "{chains} chained launches with merging, {no_chains} without");
+    assert_eq!(a_launches - m_launches, m + chains, "each merged step and each chain saves one launch");
     let split = ids.len() - 3;
-    let (x, y) = (run(&merged, BackendKind::Emu, &ids, split), run(&apart, BackendKind::Emu, &ids, split));
+    // batch-2 steps (decode_2), then one sequence alone (decode_1: the chained launches)
+    let alone = |art: &Path| {
+        let mut s = Session::open(art, None, SessionOptions { backend: BackendKind::Emu, ..Default::default() }).unwrap();
+        let a = s.new_sequence();
+        let mut rows = vec![s.prefill(a, &ids[..split], LogitRows::Last).unwrap().to_vec()];
+        for &id in &ids[split..] {
+            rows.push(s.decode(&[(a, id)]).unwrap().to_vec());
+        }
+        rows
+    };
+    let (mut x, mut y) = (run(&merged, BackendKind::Emu, &ids, split), run(&apart, BackendKind::Emu, &ids, split));
+    x.extend(alone(&merged));
+    y.extend(alone(&apart));
     assert_eq!(x.len(), y.len());
     for (i, (r, s)) in x.iter().zip(&y).enumerate() {
         assert!(r.iter().zip(s).all(|(a, b)| a.to_bits() == b.to_bits()), "logit row {i} differs between the merged and the unmerged plan");

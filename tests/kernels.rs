@@ -461,3 +461,75 @@ fn run_router(x: &[f32], tokens: usize, h: usize, gate: &[u8], bias: &[f32], r: 
     }
     check(&what, false, &floats(&g.read(bw), false), &want_w);
 }
+
+/// The router's selection as the tail of its split-K gate product, beside a second split-K GEMM
+/// that takes the split-K region's upper slot, all in one merged launch (`kernels/merge.rs`, as
+/// `passes/merge.rs` builds it at decode batch 1 beside the shared experts' gate/up): the ids
+/// equal the CPU's, the weights and the GEMM agree within `kiln verify`'s tolerance, every
+/// counter (both slots' tiles, the chain's) is back at zero and a replay stores the same bits.
+#[test]
+fn router_selection_chained_to_its_split_k_gate_product_beside_a_split_k_gemm() {
+    use kiln_compiler::kernels::merge::{merge_ptx, MergePart, MERGED_ENTRY};
+    use kiln_compiler::kernels::LinearBf16GemmParams;
+    use kiln_runtime::plan::SplitKLayout as Region;
+    let (h, e, top_k, n2, k2) = (264, 256, 8, 40, 200);
+    let mut rng = Rng::new(811);
+    let x = randn(&mut rng, h, 1.0, true);
+    let gate = bytes(&randn(&mut rng, e * h, 0.2, true), true);
+    let bias = randn(&mut rng, e, 0.05, false);
+    let route = kiln_runtime::plan::RouterParams { experts: e, top_k, n_group: 1, topk_group: 1, norm_topk_prob: true, scaling: 2.5 };
+    let (mut want_ids, mut want_w) = (vec![0i32; top_k], vec![0f32; top_k]);
+    reference::router(&x, h, &gate, &bias, &route, &mut want_ids, &mut want_w);
+    let x2 = randn(&mut rng, k2, 1.0, true);
+    let w2 = bytes(&randn(&mut rng, n2 * k2, 0.1, true), true);
+    let mut want2 = vec![0f32; n2];
+    reference::linear_bf16(&x2, 1, &w2, k2, n2, true, &mut want2);
+    // split-K forms: 16 x 32 blocks, K over 3 (the gate product) and 16 x 8 blocks, K over 2
+    let gemm = |n: usize, k: usize, nt: u32, ks: u32, out_bf16: u32| LinearBf16GemmParams { arch: 120, m: 1, n: n as u32, k: k as u32, segs: 1, c1: 0, c2: 0, c3: 0, split: 1, ks, partials: Region::PARTIALS as u32, mt: 1, nt, kb: 2, nbuf: 2, threads: 256, x_bf16: 1, out_bf16, norm: 0, nw_bf16: 0 };
+    let (product, beside) = (gemm(e, h, 4, 3, 0), gemm(n2, k2, 1, 2, 1));
+    let router = RouterParams { arch: 120, tokens: 1, experts: e as u32, n_group: 1, topk_group: 1, top_k: top_k as u32, norm: 1, threads: THREADS, bias_bf16: 0, w_bf16: 0 };
+    let (grid_product, grid_beside) = ([(e / 32) as u32, 1, 3], [n2.div_ceil(8) as u32, 1, 2]);
+    let ptx = [product.render().unwrap(), router.render().unwrap(), beside.render().unwrap()];
+    let parts = [MergePart { ptx: &ptx[0], grid: grid_product, tail: false }, MergePart { ptx: &ptx[1], grid: [1, 1, 1], tail: true }, MergePart { ptx: &ptx[2], grid: grid_beside, tail: false }];
+    let module = Module::parse(&merge_ptx(&parts).unwrap(), "merged").unwrap();
+    let mut g = GlobalMemory::new();
+    let region = g.alloc("split_k_region", Region::BYTES as usize);
+    let [bx, bg, bl, bb, bi, bw, bx2, bw2, bo2] = [
+        g.alloc_bytes("x", &bytes(&x, true)),
+        g.alloc_bytes("gate", &gate),
+        g.alloc("logits", e * 4),
+        g.alloc_bytes("bias", &bytes(&bias, false)),
+        g.alloc("ids", top_k * 4),
+        g.alloc("weights", top_k * 4),
+        g.alloc_bytes("x2", &bytes(&x2, true)),
+        g.alloc_bytes("w2", &w2),
+        g.alloc("out2", n2 * 2),
+    ];
+    let (lower, upper) = (g.addr(region), g.addr(region) + Region::UPPER);
+    let a = |b| KernelArg::U64(g.addr(b));
+    // a GEMM's arguments: x, w, out, w1..w3, out1..out3 (one segment: w and out again), the
+    // split-K slot, the norm weight (unused) and eps
+    let mut args = vec![a(bx), a(bg), a(bl), a(bg), a(bg), a(bg), a(bl), a(bl), a(bl), KernelArg::U64(lower), a(bg), KernelArg::F32(0.0)];
+    // the router's, then the region (its arrival counter at CHAIN)
+    args.extend([a(bl), a(bb), a(bi), a(bw), KernelArg::F32(route.scaling), KernelArg::U64(lower)]);
+    args.extend([a(bx2), a(bw2), a(bo2), a(bw2), a(bw2), a(bw2), a(bo2), a(bo2), a(bo2), KernelArg::U64(upper), a(bw2), KernelArg::F32(0.0)]);
+    let blocks = grid_product.iter().product::<u32>() + grid_beside.iter().product::<u32>();
+    let smem = product.dynamic_smem().unwrap().max(beside.dynamic_smem().unwrap()).max(router.dynamic_smem().unwrap());
+    let mut stored = Vec::new();
+    for replay in 0..2 {
+        for b in [bi, bw, bo2] {
+            let n = g.read(b).len();
+            g.write(b, 0, &vec![0x55; n]);
+        }
+        launch(&module, MERGED_ENTRY, [blocks, 1, 1], [256, 1, 1], smem, &args, &mut g).unwrap();
+        let ids: Vec<i32> = g.read(bi).chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        assert_eq!(ids, want_ids, "replay {replay}: expert ids");
+        check("chained router weights", false, &floats(&g.read(bw), false), &want_w);
+        check("split-K GEMM beside the chain (upper slot)", true, &floats(&g.read(bo2), true), &want2);
+        let r = g.read(region);
+        let zero = |at: u64, n: usize| r[at as usize..at as usize + 4 * n].iter().all(|&b| b == 0);
+        assert!(zero(0, e / 32) && zero(Region::UPPER, n2.div_ceil(8)) && zero(Region::CHAIN, 1), "replay {replay}: a counter is not back at zero");
+        stored.push([g.read(bi), g.read(bw), g.read(bo2)]);
+    }
+    assert_eq!(stored[0], stored[1], "the replay stores other bits");
+}

@@ -179,6 +179,7 @@ impl Device {
             LaunchArg::RopeTable => KernelArg::U64(self.mem.addr(self.rope)),
             LaunchArg::P2pRegion => KernelArg::U64(self.mem.addr(self.p2p.ok_or("no P2P region on this device")?)),
             LaunchArg::SplitKRegion => KernelArg::U64(self.mem.addr(self.split_k.ok_or("no split-K region on this device")?)),
+            LaunchArg::SplitKRegionUpper => KernelArg::U64(self.mem.addr(self.split_k.ok_or("no split-K region on this device")?) + SplitKLayout::UPPER),
             LaunchArg::U32(v) => KernelArg::U32(v),
             LaunchArg::F32(v) => KernelArg::F32(v),
             LaunchArg::PerRank(v) => KernelArg::U32(LaunchArg::per_rank(v, self.rank).ok_or_else(|| format!("rank {} x {v} overflows a u32", self.rank))?),

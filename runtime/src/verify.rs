@@ -190,14 +190,16 @@ impl<H> StepRegions<H> {
                         addr
                     }
                 }),
-                LaunchArg::SplitKRegion => ArgValue::Addr(match &self.split_k {
-                    Some((_, addr)) => *addr,
-                    None => {
-                        let (h, addr) = upload("split_k_region", &vec![0; crate::plan::SplitKLayout::BYTES as usize])?;
-                        self.split_k = Some((h, addr));
-                        addr
-                    }
-                }),
+                LaunchArg::SplitKRegion | LaunchArg::SplitKRegionUpper => ArgValue::Addr(
+                    match &self.split_k {
+                        Some((_, addr)) => *addr,
+                        None => {
+                            let (h, addr) = upload("split_k_region", &vec![0; crate::plan::SplitKLayout::BYTES as usize])?;
+                            self.split_k = Some((h, addr));
+                            addr
+                        }
+                    } + if *a == LaunchArg::SplitKRegionUpper { crate::plan::SplitKLayout::UPPER } else { 0 },
+                ),
                 LaunchArg::U32(v) => ArgValue::U32(v),
                 LaunchArg::F32(v) => ArgValue::F32(v),
                 LaunchArg::PerRank(v) => ArgValue::U32(LaunchArg::per_rank(v, st.rank).ok_or_else(|| format!("rank {} x {v} overflows a u32 argument", st.rank))?),

@@ -6,9 +6,21 @@
 //! So a merged launch computes exactly what its parts' launches compute, one after the other,
 //! where the parts touch no memory the other writes (the caller's check, `passes/merge.rs`).
 //!
+//! A part may instead be a tail of the part before it (chaining, for a dependent kernel of a few
+//! blocks): the head's returns lead to an arrival point where each block, once all its threads
+//! have stored, counts itself in at a u32 counter (`atom.inc` wrapping to zero, so replays find
+//! it zeroed); the last block to arrive runs the tail's blocks one after another, a barrier
+//! between them. Every store of the head is then visible to the tail (the split-K GEMMs' fence
+//! and counter pattern), and the tail's non-coherent loads (`ld.global.nc`) become relaxed
+//! loads at GPU scope, since they may read what the head wrote in the same launch. Returns
+//! become branches, so a head or tail may not return some of a block's threads before a
+//! barrier the others still wait at (the caller chains templates written that way).
+//!
 //! Why by hand: the templates are PTX text, one `.entry` each with the same simple layout
 //! (module directives, `.extern .shared` arrays, the entry with its parameters and directives,
 //! one body); no PTX library links two entries into one.
+
+use kiln_runtime::plan::SplitKLayout;
 
 /// The entry name of every merged kernel.
 pub const MERGED_ENTRY: &str = "kiln_merged";
@@ -17,6 +29,11 @@ pub const MERGED_ENTRY: &str = "kiln_merged";
 pub struct MergePart<'a> {
     pub ptx: &'a str,
     pub grid: [u32; 3],
+    /// Runs after the part before it, on that part's last block to finish (see the module
+    /// comment); its parameters are followed by one more, `.u64`: the address of the split-K
+    /// region, whose u32 at [`SplitKLayout::CHAIN`] is its arrival counter (zeroed, and left
+    /// zeroed by the launch).
+    pub tail: bool,
 }
 
 /// What a template's PTX is made of.
@@ -180,18 +197,26 @@ fn rename(text: &str, renames: &[(String, String)], specials: &[(&str, String)])
 }
 
 /// One PTX module with entry [`MERGED_ENTRY`] that runs `parts` side by side: blocks
-/// `[0, blocks(parts[0]))` run the first, the next `blocks(parts[1])` the second, and so on.
-/// The parameters are the parts' in order. The block is the largest part's (one-dimensional):
-/// a part of fewer threads runs on its first warps, its barriers counting only those.
+/// `[0, blocks(parts[0]))` run the first, the next `blocks(parts[1])` the second, and so on; a
+/// tail part has no blocks of its own and runs after its head (see the module comment). The
+/// parameters are the parts' in order (a tail's followed by its counter's address). The block is
+/// the largest part's (one-dimensional): a part of fewer threads runs on its first warps, its
+/// barriers counting only those.
 pub fn merge_ptx(parts: &[MergePart]) -> Result<String, String> {
     if parts.len() < 2 {
         return Err("merging needs two kernels or more".into());
+    }
+    if parts[0].tail || parts.windows(2).any(|w| w[0].tail && w[1].tail) {
+        return Err("a tail part follows a part with blocks of its own".into());
     }
     let kernels = parts.iter().enumerate().map(|(i, p)| parse(p.ptx).map_err(|e| format!("kernel {i}: {e}"))).collect::<Result<Vec<_>, _>>()?;
     let first = &kernels[0];
     for (i, k) in kernels.iter().enumerate().skip(1) {
         if (&k.version, &k.target, &k.address_size) != (&first.version, &first.target, &first.address_size) {
             return Err(format!("kernel {i} is PTX {} for {}, kernel 0 PTX {} for {}", k.version, k.target, first.version, first.target));
+        }
+        if parts[i].tail && k.threads != kernels[i - 1].threads {
+            return Err(format!("tail kernel {i} has blocks of {} threads, its head {}", k.threads, kernels[i - 1].threads));
         }
     }
     // the merged block is the largest part's; a smaller part's surplus warps exit at once and
@@ -200,7 +225,7 @@ pub fn merge_ptx(parts: &[MergePart]) -> Result<String, String> {
     if threads > 1024 {
         return Err(format!("blocks of {threads} threads"));
     }
-    if kernels.iter().any(|k| k.body.contains("%kmerge") || k.body.contains("KMERGE_")) {
+    if kernels.iter().any(|k| k.body.contains("%kmerge") || k.body.contains("KMERGE_") || k.body.contains("kmerge_")) {
         return Err("a kernel already uses the merged kernel's names".into());
     }
     let mut ptx = format!(".version {}\n.target {}\n.address_size {}\n\n", first.version, first.target, first.address_size);
@@ -225,6 +250,9 @@ pub fn merge_ptx(parts: &[MergePart]) -> Result<String, String> {
         for (decl, _) in &k.params {
             params.push(format!("    {}", rename(decl, &renames, &[])));
         }
+        if part.tail {
+            params.push(format!("    .param .u64 kmerge_counter{i}"));
+        }
         for s in &k.shared {
             shared.push(format!("    {}", rename(s, &renames, &[])));
         }
@@ -237,7 +265,15 @@ pub fn merge_ptx(parts: &[MergePart]) -> Result<String, String> {
             ("%nctaid.y", gy),
             ("%nctaid.z", gz),
         ];
-        let body = rename(&k.body, &renames, &specials);
+        let mut body = rename(&k.body, &renames, &specials);
+        // a head's returns lead to its arrival, a tail's to the end of its block's turn
+        let chained = parts.get(i + 1).is_some_and(|p| p.tail);
+        if chained {
+            body = returns_to(&body, &format!("KMERGE_ARRIVE{i}"))?;
+        }
+        if part.tail {
+            body = returns_to(&coherent_loads(&body), &format!("KMERGE_TURN{i}"))?;
+        }
         bodies.push(if k.threads < threads { counted_barriers(&body, k.threads)? } else { body });
     }
     ptx.push_str(&format!("\n.visible .entry {MERGED_ENTRY}(\n{}\n)\n", params.join(",\n")));
@@ -251,33 +287,94 @@ pub fn merge_ptx(parts: &[MergePart]) -> Result<String, String> {
         ptx.push_str(&format!(".minnctapersm {n}\n"));
     }
     ptx.push_str("{\n    .reg .b32 %kmerge_b;\n    .reg .b32 %kmerge_x;\n    .reg .b32 %kmerge_y;\n    .reg .b32 %kmerge_z;\n    .reg .b32 %kmerge_t;\n    .reg .pred %kmerge_p;\n");
+    if parts.iter().any(|p| p.tail) {
+        ptx.push_str("    .reg .b32 %kmerge_i;\n    .reg .b64 %kmerge_c;\n    .shared .align 4 .u32 kmerge_last;\n");
+    }
     for s in &shared {
         ptx.push_str(s);
         ptx.push('\n');
     }
     ptx.push_str("    mov.u32 %kmerge_b, %ctaid.x;\n");
-    for (i, ((body, part), k)) in bodies.iter().zip(parts).zip(&kernels).enumerate() {
-        let [gx, gy, _] = part.grid;
+    // the side-by-side parts (with blocks of their own) in block order, each with its tail
+    let sides: Vec<usize> = (0..parts.len()).filter(|&i| !parts[i].tail).collect();
+    for (n, &i) in sides.iter().enumerate() {
+        let (part, k) = (&parts[i], &kernels[i]);
         let blocks = part.grid.iter().product::<u32>();
-        if i > 0 {
-            ptx.push_str(&format!("KMERGE_{i}:\n    sub.u32 %kmerge_b, %kmerge_b, {};\n", parts[i - 1].grid.iter().product::<u32>()));
+        if n > 0 {
+            let before = &parts[sides[n - 1]];
+            ptx.push_str(&format!("KMERGE_{i}:\n    sub.u32 %kmerge_b, %kmerge_b, {};\n", before.grid.iter().product::<u32>()));
         }
-        if i + 1 < parts.len() {
-            ptx.push_str(&format!("    setp.ge.u32 %kmerge_p, %kmerge_b, {blocks};\n    @%kmerge_p bra KMERGE_{};\n", i + 1));
+        if let Some(&next) = sides.get(n + 1) {
+            ptx.push_str(&format!("    setp.ge.u32 %kmerge_p, %kmerge_b, {blocks};\n    @%kmerge_p bra KMERGE_{next};\n"));
         }
-        // this part's block index: x fastest, as the hardware numbers a grid's blocks
-        ptx.push_str(&format!(
-            "    rem.u32 %kmerge_x, %kmerge_b, {gx};\n    div.u32 %kmerge_y, %kmerge_b, {gx};\n    div.u32 %kmerge_z, %kmerge_y, {gy};\n    rem.u32 %kmerge_y, %kmerge_y, {gy};\n"
-        ));
+        ptx.push_str(&block_index(part.grid, "%kmerge_b"));
+        let bar = if k.threads < threads { format!("bar.sync 0, {}", k.threads) } else { "bar.sync 0".to_string() };
         if k.threads < threads {
             ptx.push_str(&format!("    mov.u32 %kmerge_t, %tid.x;\n    setp.ge.u32 %kmerge_p, %kmerge_t, {};\n    @%kmerge_p ret;\n", k.threads));
         }
         ptx.push_str("    {\n");
-        ptx.push_str(body);
-        ptx.push_str("    }\n    ret;\n");
+        ptx.push_str(&bodies[i]);
+        ptx.push_str("    }\n");
+        if parts.get(i + 1).is_some_and(|p| p.tail) {
+            let t = i + 1;
+            let tail = &parts[t];
+            // every thread's stores before the block's arrival; the last block of the head's
+            // grid to arrive runs the tail's blocks
+            ptx.push_str(&format!(
+                "KMERGE_ARRIVE{i}:\n    fence.acq_rel.gpu;\n    {bar};\n    mov.u32 %kmerge_t, %tid.x;\n    setp.eq.u32 %kmerge_p, %kmerge_t, 0;\n    ld.param.u64 %kmerge_c, [kmerge_counter{t}];\n    add.s64 %kmerge_c, %kmerge_c, {};\n    @%kmerge_p atom.acq_rel.gpu.global.inc.u32 %kmerge_t, [%kmerge_c], {};\n    @%kmerge_p st.shared.u32 [kmerge_last], %kmerge_t;\n    {bar};\n    ld.shared.u32 %kmerge_t, [kmerge_last];\n    setp.ne.u32 %kmerge_p, %kmerge_t, {};\n    @%kmerge_p ret;\n    fence.acq_rel.gpu;\n    mov.u32 %kmerge_i, 0;\nKMERGE_LOOP{t}:\n",
+                SplitKLayout::CHAIN,
+                blocks - 1,
+                blocks - 1
+            ));
+            ptx.push_str(&block_index(tail.grid, "%kmerge_i"));
+            ptx.push_str("    {\n");
+            ptx.push_str(&bodies[t]);
+            ptx.push_str(&format!(
+                "    }}\nKMERGE_TURN{t}:\n    {bar};\n    add.u32 %kmerge_i, %kmerge_i, 1;\n    setp.lt.u32 %kmerge_p, %kmerge_i, {};\n    @%kmerge_p bra KMERGE_LOOP{t};\n",
+                tail.grid.iter().product::<u32>()
+            ));
+        }
+        ptx.push_str("    ret;\n");
     }
     ptx.push_str("}\n");
     Ok(ptx)
+}
+
+/// The instructions that set `%kmerge_x/y/z` to the block index `index` (a register) has in a
+/// grid of `grid`: x fastest, as the hardware numbers a grid's blocks.
+fn block_index(grid: [u32; 3], index: &str) -> String {
+    let [gx, gy, _] = grid;
+    format!("    rem.u32 %kmerge_x, {index}, {gx};\n    div.u32 %kmerge_y, {index}, {gx};\n    div.u32 %kmerge_z, %kmerge_y, {gy};\n    rem.u32 %kmerge_y, %kmerge_y, {gy};\n")
+}
+
+/// `body` with every return (`ret`, predicated or not) a branch to `label`; `exit` is refused.
+fn returns_to(body: &str, label: &str) -> Result<String, String> {
+    let mut out = String::with_capacity(body.len());
+    for line in body.lines() {
+        let code = line.trim_start();
+        let (guard, inst) = match code.strip_prefix('@') {
+            Some(rest) => rest.split_once(char::is_whitespace).map_or((code, ""), |(g, r)| (&code[..g.len() + 1], r.trim_start())),
+            None => ("", code),
+        };
+        let op = inst.split(|c: char| c.is_whitespace() || c == ';').next().unwrap_or("");
+        if op == "exit" {
+            return Err("`exit` in a chained kernel".into());
+        }
+        if op == "ret" || op == "ret.uni" {
+            // a predicated branch may diverge: `.uni` only where every thread takes it
+            out.push_str(&if guard.is_empty() { format!("    bra.uni {label};\n") } else { format!("    {guard} bra {label};\n") });
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    Ok(out)
+}
+
+/// `body` with its non-coherent global loads made relaxed loads at GPU scope: a tail may read
+/// what its head stored in the same launch, which the non-coherent path need not see.
+fn coherent_loads(body: &str) -> String {
+    body.replace("ld.global.nc.", "ld.relaxed.gpu.global.")
 }
 
 /// `body` with every barrier that waits for the whole block (`bar.sync n;`) made to wait for
@@ -317,7 +414,7 @@ mod tests {
 
     #[test]
     fn parts_are_renamed_apart_and_find_their_own_block_index() {
-        let ptx = merge_ptx(&[MergePart { ptx: A, grid: [3, 2, 1] }, MergePart { ptx: A, grid: [5, 1, 1] }]).unwrap();
+        let ptx = merge_ptx(&[MergePart { ptx: A, grid: [3, 2, 1], tail: false }, MergePart { ptx: A, grid: [5, 1, 1], tail: false }]).unwrap();
         // parameters, labels and shared arrays of each part under their own names
         for name in ["m0_x", "m1_x", "m0_n", "m1_n", "M0_LOOP:", "M1_LOOP:", "m0_acc[8]", "m1_acc[8]", "m0_gsm[]", "m1_gsm[]", "[m1_x]", "bra.uni M1_LOOP", "%r3, m1_acc"] {
             assert!(ptx.contains(name), "{name} missing in\n{ptx}");
@@ -335,22 +432,54 @@ mod tests {
     fn a_part_of_fewer_threads_exits_its_surplus_warps_and_counts_its_barriers() {
         let small = A.replace("    ret;\n}", "    bar.sync 0;\n    @%p1 bar.sync 1;\n    bar.sync 2, 32;\n    bar.warp.sync 0xffffffff;\n    ret;\n}");
         let big = A.replace(".maxntid 64", ".maxntid 1024").replace(".maxnreg 128\n", "");
-        let ptx = merge_ptx(&[MergePart { ptx: &small, grid: [2, 1, 1] }, MergePart { ptx: &big, grid: [1, 1, 1] }]).unwrap();
+        let ptx = merge_ptx(&[MergePart { ptx: &small, grid: [2, 1, 1], tail: false }, MergePart { ptx: &big, grid: [1, 1, 1], tail: false }]).unwrap();
         assert!(ptx.contains(".maxntid 1024, 1, 1") && ptx.contains(".maxnreg 64"), "{ptx}");
         assert!(ptx.contains("setp.ge.u32 %kmerge_p, %kmerge_t, 64;\n    @%kmerge_p ret;"), "{ptx}");
         assert!(ptx.contains("bar.sync 0, 64;") && ptx.contains("@%p1 bar.sync 1, 64;") && ptx.contains("bar.sync 2, 32;") && ptx.contains("bar.warp.sync 0xffffffff;"), "{ptx}");
         // the 1,024-thread part keeps its own barriers
         assert_eq!(ptx.matches("bar.sync 0, 64;").count(), 1, "{ptx}");
         let arrive = A.replace("    ret;\n}", "    bar.arrive 1, 64;\n    ret;\n}");
-        assert!(merge_ptx(&[MergePart { ptx: &arrive, grid: [1, 1, 1] }, MergePart { ptx: &big, grid: [1, 1, 1] }]).is_err());
+        assert!(merge_ptx(&[MergePart { ptx: &arrive, grid: [1, 1, 1], tail: false }, MergePart { ptx: &big, grid: [1, 1, 1], tail: false }]).is_err());
+    }
+
+    #[test]
+    fn a_tail_runs_on_its_heads_last_block_after_every_block_arrived() {
+        let head = A.replace("    ret;\n}", "    @%p1 ret;\n    ret;\n}");
+        let tail = A.replace("ld.param.u64 %rd1, [x];", "ld.param.u64 %rd1, [x];\n    ld.global.nc.f32 %f1, [%rd1];\n    ld.global.nc.v2.f32 {%f2, %f3}, [%rd1];");
+        let side = A.replace(".maxntid 64", ".maxntid 128");
+        let parts = [MergePart { ptx: &head, grid: [3, 2, 1], tail: false }, MergePart { ptx: &tail, grid: [4, 1, 1], tail: true }, MergePart { ptx: &side, grid: [5, 1, 1], tail: false }];
+        let ptx = merge_ptx(&parts).unwrap();
+        // the tail's parameters are followed by its counter's; it has no blocks of its own: the
+        // side part starts after the head's 6
+        assert!(ptx.contains("    .param .u64 m1_x,\n    .param .u32 m1_n,\n    .param .u64 kmerge_counter1,\n    .param .u64 m2_x"), "{ptx}");
+        assert!(ptx.contains("setp.ge.u32 %kmerge_p, %kmerge_b, 6;\n    @%kmerge_p bra KMERGE_2;") && ptx.contains("KMERGE_2:\n    sub.u32 %kmerge_b, %kmerge_b, 6;"), "{ptx}");
+        // the head's returns reach its arrival (a predicated one without `.uni`); each block
+        // counts itself in, wrapping at the head's 6 blocks, and only the last goes on
+        assert!(ptx.contains("@%p1 bra KMERGE_ARRIVE0;") && ptx.contains("bra.uni KMERGE_ARRIVE0;"), "{ptx}");
+        let counter = format!("ld.param.u64 %kmerge_c, [kmerge_counter1];\n    add.s64 %kmerge_c, %kmerge_c, {};", SplitKLayout::CHAIN);
+        assert!(ptx.contains(&counter) && ptx.contains("atom.acq_rel.gpu.global.inc.u32 %kmerge_t, [%kmerge_c], 5;") && ptx.contains("setp.ne.u32 %kmerge_p, %kmerge_t, 5;\n    @%kmerge_p ret;"), "{ptx}");
+        // the tail's 4 blocks one after another, its block index from the loop, its returns
+        // the end of a turn, its barriers those of the head's 64 threads (the merged block is 128)
+        assert!(ptx.contains("rem.u32 %kmerge_x, %kmerge_i, 4;") && ptx.contains("setp.lt.u32 %kmerge_p, %kmerge_i, 4;\n    @%kmerge_p bra KMERGE_LOOP1;"), "{ptx}");
+        assert!(ptx.contains("bra.uni KMERGE_TURN1;") && ptx.contains("KMERGE_TURN1:\n    bar.sync 0, 64;") && ptx.contains("KMERGE_ARRIVE0:\n    fence.acq_rel.gpu;\n    bar.sync 0, 64;"), "{ptx}");
+        // the tail reads what the head stored in this launch: no non-coherent loads
+        assert!(!ptx.contains("ld.global.nc") && ptx.contains("ld.relaxed.gpu.global.f32 %f1") && ptx.contains("ld.relaxed.gpu.global.v2.f32"), "{ptx}");
+        // a tail first, two tails in a row, a tail of another block size, an `exit`: refused
+        let t = |ptx: &'static str, tail| MergePart { ptx, grid: [1, 1, 1], tail };
+        assert!(merge_ptx(&[t(A, true), t(A, false)]).is_err());
+        assert!(merge_ptx(&[t(A, false), t(A, true), t(A, true)]).is_err());
+        let wide: &'static str = Box::leak(side.into_boxed_str());
+        assert!(merge_ptx(&[t(A, false), t(wide, true)]).unwrap_err().contains("threads"));
+        let exits: &'static str = Box::leak(A.replace("    ret;\n}", "    exit;\n}").into_boxed_str());
+        assert!(merge_ptx(&[t(A, false), t(exits, true)]).unwrap_err().contains("exit"));
     }
 
     #[test]
     fn parts_of_other_targets_are_refused() {
         let b = A.replace(".maxntid 64, 1, 1", ".maxntid 64, 2, 1");
-        assert!(merge_ptx(&[MergePart { ptx: A, grid: [1, 1, 1] }, MergePart { ptx: &b, grid: [1, 1, 1] }]).unwrap_err().contains("one-dimensional"));
+        assert!(merge_ptx(&[MergePart { ptx: A, grid: [1, 1, 1], tail: false }, MergePart { ptx: &b, grid: [1, 1, 1], tail: false }]).unwrap_err().contains("one-dimensional"));
         let c = A.replace("sm_120a", "sm_90a");
-        assert!(merge_ptx(&[MergePart { ptx: A, grid: [1, 1, 1] }, MergePart { ptx: &c, grid: [1, 1, 1] }]).is_err());
-        assert!(merge_ptx(&[MergePart { ptx: A, grid: [1, 1, 1] }]).is_err());
+        assert!(merge_ptx(&[MergePart { ptx: A, grid: [1, 1, 1], tail: false }, MergePart { ptx: &c, grid: [1, 1, 1], tail: false }]).is_err());
+        assert!(merge_ptx(&[MergePart { ptx: A, grid: [1, 1, 1], tail: false }]).is_err());
     }
 }

@@ -287,7 +287,10 @@ impl RankDevice {
             }
             LaunchArg::RopeTable => self.rope.ptr,
             LaunchArg::P2pRegion => self.p2p_region.as_ref().ok_or_else(|| RuntimeError::internal(format!("{}: a P2P launch on a rank without a region", p.name)))?.ptr,
-            LaunchArg::SplitKRegion => self.split_k.as_ref().ok_or_else(|| RuntimeError::internal(format!("{}: a split-K launch on a rank without the region", p.name)))?.ptr,
+            LaunchArg::SplitKRegion | LaunchArg::SplitKRegionUpper => {
+                let region = self.split_k.as_ref().ok_or_else(|| RuntimeError::internal(format!("{}: a split-K launch on a rank without the region", p.name)))?;
+                region.ptr + if *a == LaunchArg::SplitKRegionUpper { SplitKLayout::UPPER } else { 0 }
+            }
             LaunchArg::U32(v) => v as u64,
             LaunchArg::F32(v) => v.to_bits() as u64,
             LaunchArg::PerRank(v) => LaunchArg::per_rank(v, self.rank).ok_or_else(|| RuntimeError::internal(format!("rank {} x {v} overflows a u32", self.rank)))? as u64,

@@ -141,10 +141,19 @@ pub fn launch_cost(plan: &Plan, step: &Step, li: usize, load: &Load) -> Result<C
 }
 
 /// The cost of each kernel launch `li` of `step` runs: a merged launch's parts, each on its own
-/// grid, else the launch alone.
+/// grid, else the launch alone. A chained part's cost includes its head's arrivals (one counter
+/// atomic per head block: 4 B read, 4 B written).
 pub fn launch_part_costs(plan: &Plan, step: &Step, li: usize, load: &Load) -> Result<Vec<Cost>, String> {
     let l = step.launches.get(li).ok_or_else(|| format!("step has no launch {li}"))?;
-    plan.part_launches(l).iter().map(|part| kernel_cost(plan, part, load)).collect()
+    let parts = plan.part_launches(l);
+    let info = &plan.kernel(l.kernel).parts;
+    let mut costs = parts.iter().map(|part| kernel_cost(plan, part, load)).collect::<Result<Vec<_>, _>>()?;
+    for i in (1..costs.len()).filter(|&i| info.get(i).is_some_and(|q| q.tail)) {
+        let head_blocks = parts[i - 1].grid.iter().map(|&g| g as f64).product::<f64>();
+        costs[i].read(Class::Activations, 4.0 * head_blocks, 1.0);
+        costs[i].write(4.0 * head_blocks);
+    }
+    Ok(costs)
 }
 
 /// The cost of one template kernel's launch `l`.

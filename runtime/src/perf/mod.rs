@@ -138,10 +138,20 @@ pub fn launch_time(c: &Cost, k: &Constants) -> Timing {
 
 /// A merged launch's time: its parts' summed bytes and FLOPs over their summed blocks, but no
 /// less than its slowest part would take alone (a one-block part is not sped up by sharing the
-/// launch with a wide one).
-pub fn merged_time(parts: &[Cost], k: &Constants) -> Timing {
-    let together = launch_time(&Cost::sum(parts), k);
-    parts.iter().map(|c| launch_time(c, k)).fold(together, |t, alone| if alone.us > t.us { alone } else { t })
+/// launch with a wide one); a chained part (`tails[i]`, `KernelPart::tail`) adds its
+/// [`tail_us`] after that, as if nothing else still ran beside it.
+pub fn merged_time(parts: &[Cost], tails: &[bool], k: &Constants) -> Timing {
+    let side: Vec<Cost> = parts.iter().zip(tails.iter().chain(std::iter::repeat(&false))).filter(|(_, &t)| !t).map(|(c, _)| c.clone()).collect();
+    let together = launch_time(&Cost::sum(&side), k);
+    let mut time = side.iter().map(|c| launch_time(c, k)).fold(together, |t, alone| if alone.us > t.us { alone } else { t });
+    time.us += parts.iter().zip(tails).filter(|(_, &t)| t).map(|(c, _)| tail_us(c, k)).sum::<f64>();
+    time
+}
+
+/// A chained part's time: its blocks one after another on the one SM of its head's last block
+/// (the occupancy of one block), no launch of its own.
+pub fn tail_us(c: &Cost, k: &Constants) -> f64 {
+    launch_time(&Cost { blocks: 1.0, ..c.clone() }, k).us - k.launch_us
 }
 
 /// What a launch cannot beat: its distinct bytes at full bandwidth on every SM, or its FLOPs at
@@ -283,7 +293,8 @@ pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constant
         for (li, l) in step.launches.iter().enumerate() {
             let parts = launch_part_costs(plan, step, li, load).map_err(|e| format!("{} step {s} ({}): {e}", program.name, step.op.name()))?;
             let cost = Cost::sum(&parts);
-            launches.push(LaunchPerf { step: s, launch: li, kernel: l.kernel, cost, time: merged_time(&parts, k) });
+            let tails: Vec<bool> = plan.kernel(l.kernel).parts.iter().map(|q| q.tail).collect();
+            launches.push(LaunchPerf { step: s, launch: li, kernel: l.kernel, cost, time: merged_time(&parts, &tails, k) });
         }
     }
     Ok(ProgramPerf { launches, collectives })

@@ -25,7 +25,8 @@ pub struct KernelInfo {
     pub resources: Option<Resources>,
     /// A merged kernel's parts, in block order (empty for a template's own kernel): the blocks
     /// `[sum of earlier parts' blocks, + this part's)` of the merged launch run `kernel`'s code
-    /// on its grid, with the next `args` arguments of the launch.
+    /// on its grid, with the next `args` arguments of the launch; a `tail` part has no blocks of
+    /// its own (see [`KernelPart::tail`]).
     pub parts: Vec<KernelPart>,
 }
 
@@ -37,6 +38,11 @@ pub struct KernelPart {
     /// The part's own block (the merged launch's is the largest part's).
     pub block: [u32; 3],
     pub args: u32,
+    /// A chained part: it runs after the part before it (its head), on the head's last block to
+    /// finish, its own grid's blocks one after another; its last argument is the split-K region
+    /// (the arrival counter at [`super::SplitKLayout::CHAIN`]). So a dependent kernel of a few
+    /// blocks costs no launch of its own.
+    pub tail: bool,
 }
 
 /// What ptxas reported for one kernel.
@@ -90,6 +96,9 @@ pub enum LaunchArg {
     P2pRegion,
     /// Device address of the rank's split-K region (see [`super::SplitKLayout`]).
     SplitKRegion,
+    /// Device address of the split-K region's upper slot ([`super::SplitKLayout::UPPER`]): the
+    /// second split-K part of a merged launch, so two parts' counters and sums stay apart.
+    SplitKRegionUpper,
 }
 
 impl LaunchArg {

@@ -76,24 +76,33 @@ impl MemoryPlan {
 
 /// The per-rank split-K region of the GEMMs' cross-block forms (`linear_bf16_gemm.ptx` KS > 1,
 /// `linear_nvfp4_gemm.ptx` SLICES > 1) and of split-KV attention's combine with the output
-/// projection (`mla_split.ptx` MODE 3, a counter per head): a u32 arrival counter per output
-/// tile ([`SplitKLayout::COUNTERS`] of them, zero between launches: the last block's
-/// `atom.inc` wraps its tile's back to zero), then the f32 partial sums of one launch
-/// (`KS x M x N`). Launches replay one at a time, so every launch
-/// uses the same region. The runtime allocates it zeroed on every GPU that runs such a launch;
-/// like the P2P region it comes out of the memory plan's headroom.
+/// projection (`mla_split.ptx` MODE 3, a counter per head). Two slots of [`SplitKLayout::SLOT_BYTES`]
+/// each: a u32 arrival counter per output tile ([`SplitKLayout::COUNTERS`] of them, zero between
+/// launches: the last block's `atom.inc` wraps its tile's back to zero), then the f32 partial
+/// sums of one launch (`KS x M x N`). A launch uses the lower slot; a merged launch whose second
+/// part also counts tiles gives that part the upper one. After the slots, the arrival counter of
+/// a chained launch ([`SplitKLayout::CHAIN`], see `KernelPart::tail`), also back at zero after
+/// each launch. Launches replay one at a time, so every launch uses the same region. The runtime
+/// allocates it zeroed on every GPU that runs such a launch; like the P2P region it comes out of
+/// the memory plan's headroom.
 pub struct SplitKLayout;
 
 impl SplitKLayout {
-    /// Tile counters (the most output tiles of one split-K launch).
+    /// Tile counters of a slot (the most output tiles of one split-K launch).
     pub const COUNTERS: u64 = 4096;
-    /// Byte offset of the partial sums.
+    /// Byte offset of the partial sums in a slot.
     pub const PARTIALS: u64 = 4 * Self::COUNTERS;
-    /// Bytes of the region (a tiled projection at decode batch 64 sharing K over 4 blocks keeps
+    /// Bytes of a slot (a tiled projection at decode batch 64 sharing K over 4 blocks keeps
     /// 4 x 64 x 6,144 f32 sums).
-    pub const BYTES: u64 = 16 << 20;
-    /// Bytes of partial sums one launch may use.
-    pub const PARTIAL_BYTES: u64 = Self::BYTES - Self::PARTIALS;
+    pub const SLOT_BYTES: u64 = 16 << 20;
+    /// Byte offset of the upper slot.
+    pub const UPPER: u64 = Self::SLOT_BYTES;
+    /// Byte offset of a chained launch's block counter (u32).
+    pub const CHAIN: u64 = 2 * Self::SLOT_BYTES;
+    /// Bytes of the region.
+    pub const BYTES: u64 = Self::CHAIN + 256;
+    /// Bytes of partial sums one launch (one slot) may use.
+    pub const PARTIAL_BYTES: u64 = Self::SLOT_BYTES - Self::PARTIALS;
 }
 
 /// Largest all-reduce the one-shot P2P kernel takes; larger ones stay on NCCL.

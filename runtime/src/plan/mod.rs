@@ -29,7 +29,7 @@ pub use weights::{
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever the serialized layout of [`Plan`] changes; the runtime refuses other versions.
-pub const FORMAT_VERSION: u32 = 15;
+pub const FORMAT_VERSION: u32 = 16;
 
 /// A compiled model for one target: the unit the runtime loads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -65,7 +65,7 @@ impl Plan {
 
     /// Whether a launch takes the split-K region ([`SplitKLayout`]), so every rank needs one.
     pub fn uses_split_k(&self) -> bool {
-        self.programs.iter().flat_map(|p| &p.steps).flat_map(|s| &s.launches).any(|l| l.args.contains(&LaunchArg::SplitKRegion))
+        self.programs.iter().flat_map(|p| &p.steps).flat_map(|s| &s.launches).any(|l| l.args.iter().any(|a| matches!(a, LaunchArg::SplitKRegion | LaunchArg::SplitKRegionUpper)))
     }
 
     pub fn kernel(&self, id: KernelId) -> &KernelInfo {
