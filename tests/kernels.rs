@@ -414,15 +414,19 @@ fn router_matches_the_cpu_with_groups_ties_and_exhausted_groups() {
             g2[3 * h * 2..4 * h * 2].copy_from_slice(&row);
             bias[3] = bias[0];
             let r = Route { experts: e, top_k, n_group, topk_group, norm_topk_prob: norm, scaling: 2.5 };
-            run_router(&x, tokens, h, &g2, &bias, &r, x_bf16, bias_bf16);
+            run_router(&x, tokens, h, &g2, &bias, &r, x_bf16, bias_bf16, 1);
         }
         let r = Route { experts: e, top_k, n_group, topk_group, norm_topk_prob: norm, scaling: 2.5 };
-        run_router(&x, tokens, h, &gate, &bias, &r, x_bf16, bias_bf16);
+        // a block per token, and a warp per token (THREADS / 32 tokens per block: one block for a
+        // few tokens, 17 tokens in 3 with the last one's warps past them idle)
+        for per_block in [1, THREADS / 32] {
+            run_router(&x, tokens, h, &gate, &bias, &r, x_bf16, bias_bf16, per_block);
+        }
     }
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_router(x: &[f32], tokens: usize, h: usize, gate: &[u8], bias: &[f32], r: &kiln_runtime::plan::RouterParams, x_bf16: bool, bias_bf16: bool) {
+fn run_router(x: &[f32], tokens: usize, h: usize, gate: &[u8], bias: &[f32], r: &kiln_runtime::plan::RouterParams, x_bf16: bool, bias_bf16: bool, per_block: u32) {
     let (mut want_ids, mut want_w) = (vec![0i32; tokens * r.top_k], vec![0f32; tokens * r.top_k]);
     reference::router(x, h, gate, bias, r, &mut want_ids, &mut want_w);
     let mut g = GlobalMemory::new();
@@ -436,6 +440,7 @@ fn run_router(x: &[f32], tokens: usize, h: usize, gate: &[u8], bias: &[f32], r: 
     let params = RouterParams {
         arch: 120,
         tokens: tokens as u32,
+        per_block,
         experts: r.experts as u32,
         n_group: r.n_group as u32,
         topk_group: r.topk_group as u32,
@@ -451,9 +456,9 @@ fn run_router(x: &[f32], tokens: usize, h: usize, gate: &[u8], bias: &[f32], r: 
     let bw = g.alloc_bytes("weights", &vec![0x55u8; tokens * r.top_k * 4]);
     let mut args: Vec<KernelArg> = [bl, bb, bi, bw].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
     args.push(KernelArg::F32(r.scaling));
-    launch(&module, RouterParams::ENTRY, [tokens as u32, 1, 1], [THREADS, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+    launch(&module, RouterParams::ENTRY, [(tokens as u32).div_ceil(per_block), 1, 1], [THREADS, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
     let ids: Vec<i32> = g.read(bi).chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-    let what = format!("router T={tokens} H={h} E={} groups={}/{} top-{}", r.experts, r.topk_group, r.n_group, r.top_k);
+    let what = format!("router T={tokens} H={h} E={} groups={}/{} top-{} tokens per block {per_block}", r.experts, r.topk_group, r.n_group, r.top_k);
     eprintln!("{what}: ids {:?}", &ids[..ids.len().min(16)]);
     assert_eq!(ids, want_ids, "{what}: expert ids");
     if r.topk_group * (r.experts / r.n_group.max(1)) < r.top_k {
@@ -462,32 +467,34 @@ fn run_router(x: &[f32], tokens: usize, h: usize, gate: &[u8], bias: &[f32], r: 
     check(&what, false, &floats(&g.read(bw), false), &want_w);
 }
 
-/// The router's selection as the tail of its split-K gate product, beside a second split-K GEMM
-/// that takes the split-K region's upper slot, all in one merged launch (`kernels/merge.rs`, as
-/// `passes/merge.rs` builds it at decode batch 1 beside the shared experts' gate/up): the ids
-/// equal the CPU's, the weights and the GEMM agree within `kiln verify`'s tolerance, every
-/// counter (both slots' tiles, the chain's) is back at zero and a replay stores the same bits.
+/// The router's selection (three tokens, a warp each, in one block) as the tail of its split-K
+/// gate product, beside a second split-K GEMM that takes the split-K region's upper slot, all in
+/// one merged launch (`kernels/merge.rs`, as `passes/merge.rs` builds it at small decode batches
+/// beside the shared experts' gate/up): the ids equal the CPU's, the weights and the GEMM agree
+/// within `kiln verify`'s tolerance, every counter (both slots' tiles, the chain's) is back at
+/// zero and a replay stores the same bits.
 #[test]
 fn router_selection_chained_to_its_split_k_gate_product_beside_a_split_k_gemm() {
     use kiln_compiler::kernels::merge::{merge_ptx, MergePart, MERGED_ENTRY};
     use kiln_compiler::kernels::LinearBf16GemmParams;
     use kiln_runtime::plan::SplitKLayout as Region;
-    let (h, e, top_k, n2, k2) = (264, 256, 8, 40, 200);
+    // three tokens: the selection a warp per token, all in one block
+    let (t, h, e, top_k, n2, k2) = (3, 264, 256, 8, 40, 200);
     let mut rng = Rng::new(811);
-    let x = randn(&mut rng, h, 1.0, true);
+    let x = randn(&mut rng, t * h, 1.0, true);
     let gate = bytes(&randn(&mut rng, e * h, 0.2, true), true);
     let bias = randn(&mut rng, e, 0.05, false);
     let route = kiln_runtime::plan::RouterParams { experts: e, top_k, n_group: 1, topk_group: 1, norm_topk_prob: true, scaling: 2.5 };
-    let (mut want_ids, mut want_w) = (vec![0i32; top_k], vec![0f32; top_k]);
+    let (mut want_ids, mut want_w) = (vec![0i32; t * top_k], vec![0f32; t * top_k]);
     reference::router(&x, h, &gate, &bias, &route, &mut want_ids, &mut want_w);
     let x2 = randn(&mut rng, k2, 1.0, true);
     let w2 = bytes(&randn(&mut rng, n2 * k2, 0.1, true), true);
     let mut want2 = vec![0f32; n2];
     reference::linear_bf16(&x2, 1, &w2, k2, n2, true, &mut want2);
     // split-K forms: 16 x 32 blocks, K over 3 (the gate product) and 16 x 8 blocks, K over 2
-    let gemm = |n: usize, k: usize, nt: u32, ks: u32, out_bf16: u32| LinearBf16GemmParams { arch: 120, m: 1, n: n as u32, k: k as u32, segs: 1, c1: 0, c2: 0, c3: 0, split: 1, ks, partials: Region::PARTIALS as u32, mt: 1, nt, kb: 2, nbuf: 2, threads: 256, x_bf16: 1, out_bf16, norm: 0, nw_bf16: 0 };
-    let (product, beside) = (gemm(e, h, 4, 3, 0), gemm(n2, k2, 1, 2, 1));
-    let router = RouterParams { arch: 120, tokens: 1, experts: e as u32, n_group: 1, topk_group: 1, top_k: top_k as u32, norm: 1, threads: THREADS, bias_bf16: 0, w_bf16: 0 };
+    let gemm = |m: usize, n: usize, k: usize, nt: u32, ks: u32, out_bf16: u32| LinearBf16GemmParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, segs: 1, c1: 0, c2: 0, c3: 0, split: 1, ks, partials: Region::PARTIALS as u32, mt: 1, nt, kb: 2, nbuf: 2, threads: 256, x_bf16: 1, out_bf16, norm: 0, nw_bf16: 0 };
+    let (product, beside) = (gemm(t, e, h, 4, 3, 0), gemm(1, n2, k2, 1, 2, 1));
+    let router = RouterParams { arch: 120, tokens: t as u32, per_block: THREADS / 32, experts: e as u32, n_group: 1, topk_group: 1, top_k: top_k as u32, norm: 1, threads: THREADS, bias_bf16: 0, w_bf16: 0 };
     let (grid_product, grid_beside) = ([(e / 32) as u32, 1, 3], [n2.div_ceil(8) as u32, 1, 2]);
     let ptx = [product.render().unwrap(), router.render().unwrap(), beside.render().unwrap()];
     let parts = [MergePart { ptx: &ptx[0], grid: grid_product, tail: false }, MergePart { ptx: &ptx[1], grid: [1, 1, 1], tail: true }, MergePart { ptx: &ptx[2], grid: grid_beside, tail: false }];
@@ -497,10 +504,10 @@ fn router_selection_chained_to_its_split_k_gate_product_beside_a_split_k_gemm() 
     let [bx, bg, bl, bb, bi, bw, bx2, bw2, bo2] = [
         g.alloc_bytes("x", &bytes(&x, true)),
         g.alloc_bytes("gate", &gate),
-        g.alloc("logits", e * 4),
+        g.alloc("logits", t * e * 4),
         g.alloc_bytes("bias", &bytes(&bias, false)),
-        g.alloc("ids", top_k * 4),
-        g.alloc("weights", top_k * 4),
+        g.alloc("ids", t * top_k * 4),
+        g.alloc("weights", t * top_k * 4),
         g.alloc_bytes("x2", &bytes(&x2, true)),
         g.alloc_bytes("w2", &w2),
         g.alloc("out2", n2 * 2),

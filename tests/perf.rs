@@ -551,8 +551,9 @@ fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
             assert_eq!(combined, 78, "{d}");
         }
         // and one fewer for each launch whose last block runs a dependent one-block kernel after
-        // it (a chain: the router's selection after its gate product in the 75 MoE layers at
-        // batch 1, where the model prices it below a launch of its own)
+        // it (a chain: the router's selection after its gate product in the 75 MoE layers, where
+        // one block selects for the whole batch: at batch 1, and a warp per token where the
+        // model prices that block below a launch of a block per token, batches 2 and 4)
         let chained = program.steps.iter().flat_map(|s| &s.launches).filter(|l| plan.kernel(l.kernel).parts.iter().any(|q| q.tail)).count();
         if batch == 1.0 {
             assert_eq!(chained, 75, "{d}");

@@ -1,8 +1,9 @@
 //! One thread block: its warps, shared memory and the 16 named barriers.
 //!
-//! Warps run one at a time, each until it exits or reaches a barrier; a barrier completes when
-//! the participating warps have arrived (the `b` thread count, or all warps that have not
-//! exited). Arrival is per warp, as in the ISA.
+//! Warps take turns a memory access at a time (so a race between warps that share memory without
+//! a barrier shows, as it would on hardware), each until it exits or reaches a barrier; a barrier
+//! completes when the participating warps have arrived (the `b` thread count, or all warps that
+//! have not exited). Arrival is per warp, as in the ISA.
 
 use super::memory::SharedMemory;
 use super::warp::{BlockMem, Counters, LaunchCtx, NcWords, Status, Warp};
@@ -45,7 +46,7 @@ pub fn run_block(lc: &LaunchCtx, ctaid: [u32; 3]) -> Result<(Counters, Option<Nc
             while !warps[w].done() && !blocked[w] {
                 progressed = true;
                 match warps[w].run(lc, &mut bm)? {
-                    Status::Done => break,
+                    Status::Done | Status::Yield => break,
                     Status::Barrier { id, count, wait, line } => {
                         if id == u32::MAX {
                             blocked[w] = true;

@@ -131,6 +131,10 @@ pub enum Status {
     Done,
     /// The whole warp arrived at barrier `id`; `wait` is false for `bar.arrive` (keep running).
     Barrier { id: u32, count: Option<u32>, wait: bool, line: u32 },
+    /// The warp accessed memory and lets the block's next warp run to its next access: warps take
+    /// turns access by access, so warps that share memory without a barrier between them see
+    /// each other's accesses interleaved, as on hardware, not one warp's all before the next's.
+    Yield,
 }
 
 pub struct Warp {
@@ -411,6 +415,10 @@ impl Warp {
                 }
             }
             self.merge();
+            // turns at memory accesses: what another warp may see or change in between
+            if matches!(inst.op, Op::Ld { .. } | Op::St { .. } | Op::Ldmatrix { .. } | Op::CpAsync { .. } | Op::CpAsyncWait(_) | Op::Atom { .. }) {
+                return Ok(Status::Yield);
+            }
         }
     }
 
