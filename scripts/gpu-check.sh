@@ -7,7 +7,8 @@
 #   racecheck where installed -> with 2+ GPUs, the P2P and NCCL all-reduce paths give
 #   the same bits -> the trained demo model writes the CPU's reply ->
 #   GLM-5's own layer shapes (`synth glm5 --layers 5`, TP 1) decoded at ~2k and ~8k context
-#   against `kiln inspect --perf`, per-kernel times under ncu where installed -> kiln serve
+#   against `kiln inspect --perf`, per-kernel times under ncu where installed, and again as
+#   compiled with --no-merge (do merged and chained launches pay on silicon?) -> kiln serve
 #   --backend cuda + kiln bench at several concurrencies -> decode tok/s of cuda and cpu in the
 #   same run; graph build time and weight upload GB/s from the backend's log.
 #
@@ -293,6 +294,40 @@ EOF
       fi
     else
       record kernel-times skipped
+    fi
+    # The same slice compiled with --no-merge, timed the same way at 2k: whether the merged and
+    # chained launches (two kernels side by side, a one-block tail run by the head's last block)
+    # beat their parts' own launches on silicon, which the byte model cannot tell.
+    if run glm5-unmerged 120 "$kiln" compile "$work/g5-ckpt" --target "$arch" --tp 1 --decode-batches 1 \
+         --prefill-chunk 512 --max-context 8192 --no-merge -o "$work/g5-apart" &&
+       run_to glm5-unmerged 30 "$work/g5-apart-perf.json" "$kiln" inspect "$work/g5-apart" --perf --json &&
+       run glm5-unmerged-2k 240 "$kiln" run "$work/g5-apart" --backend cuda --prompt "$prompt" --max-tokens 128 > /dev/null; then
+      fig=$("$python" - "$work/g5-perf.json" "$work/g5-apart-perf.json" "$out/glm5-slice-2k.log" "$out/glm5-unmerged-2k.log" <<'EOF'
+import json, re, sys
+def row(path):
+    perf = json.load(open(path))["perf"]
+    return next(r for r in perf["decode"] if r["batch"] == 1 and r["context"] == 2048)
+def speed(path):
+    try:
+        found = re.findall(r"([0-9.]+) tok/s decode", open(path, errors="replace").read())
+    except OSError:
+        found = []
+    return float(found[-1]) if found else None
+merged, apart = row(sys.argv[1]), row(sys.argv[2])
+figures = {
+    "launches_merged": merged["launches"], "launches_apart": apart["launches"],
+    "predicted_step_ms_merged": merged["step_ms"], "predicted_step_ms_apart": apart["step_ms"],
+    "measured_decode_tok_s_merged": speed(sys.argv[3]), "measured_decode_tok_s_apart": speed(sys.argv[4]),
+}
+m, a = figures["measured_decode_tok_s_merged"], figures["measured_decode_tok_s_apart"]
+figures["measured_speedup_of_merging"] = m / a if m and a else None
+print(json.dumps(figures))
+EOF
+)
+      st=ok; case "$fig" in *'"measured_decode_tok_s_apart": null'*|"") st=fail; fig=${fig:-"{}"} ;; esac
+      record glm5-merging "$st" "$fig"
+    else
+      record glm5-merging fail
     fi
   else
     record glm5-slice fail
