@@ -213,6 +213,7 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
         splits: 1,
         split: c.topk as u32,
         stage: 0,
+        coop: 0,
     };
     let mut gm = GlobalMemory::new();
     let bq = gm.alloc_bytes("q", &bytes(&q, c.q_bf16));
@@ -233,7 +234,7 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
     let bpa = gm.alloc_bytes("partials", &vec![0xFF; c.tokens.max(1) * c.splits.max(1) * g.heads * (g.latent + 4) * 4]);
     let mut args: Vec<KernelArg> = [bq, bw, bt, bp, bs, bpt, bc, br, bo, ba, bpa].iter().map(|&b| KernelArg::U64(gm.addr(b))).collect();
     args.push(KernelArg::F32(c.scale));
-    let (mut cache_read, mut staged_read, mut combined) = (0u64, Vec::new(), Vec::new());
+    let (mut cache_read, mut staged_read, mut combined, mut coop_out) = (0u64, Vec::new(), Vec::new(), None);
     // the most 128-dim latent chunks of every warp's tile the q_abs | ctx region holds (lowering's STAGE)
     let fits = |threads: u32, mma: u32| if mma == 1 { (c.hg * nl * 1024 / ((threads as usize / 32) * 16 * 256)).min(nl) } else { 0 };
     let stats = if c.splits == 0 {
@@ -314,6 +315,27 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
             assert!(gm.read(bpa) == unstaged, "the split states with {stage} staged chunks differ from the unstaged ones");
             staged_read.push((stage, gm.bytes_loaded(bc) - before));
         }
+        // COOP (tensor-core path): the block's warps take each tile together, each its share of
+        // the dims, so every selected row is read once; its states (the same sums in another
+        // order) go through the combine and output projection below to the CPU check
+        let coop_states = coop_warps(g.latent, c.hg, nl).filter(|_| layout.0 == 1).map(|w| {
+            let threads = 32 * w as u32;
+            let coop = MlaAttentionParams {
+                coop: 1,
+                stage: 0,
+                threads,
+                chunk: (per.div_ceil(threads as usize) * threads as usize).min(2048) as u32,
+                xs: mma_layout(g, c.hg, threads, c.qs, c.mma, c.out_bf16).2,
+                ..split
+            };
+            gm.write(bpa, 0, &vec![0xFF; unstaged.len()]);
+            let before = gm.bytes_loaded(bc);
+            let m = Module::parse(&coop.render().unwrap(), "mla_attention.ptx").unwrap();
+            launch(&m, MlaAttentionParams::ENTRY, grid, [threads, 1, 1], coop.dynamic_smem().unwrap(), &args, &mut gm).unwrap();
+            let states = (gm.read(bpa), gm.bytes_loaded(bc) - before, w);
+            gm.write(bpa, 0, &unstaged);
+            states
+        });
         // the combine with 1 and 2 latent dims per lane (more blocks, as small batches get) writes
         // the 4-dim context bit for bit: every dim's sum is the same
         let combine = |dpl: usize, gm: &mut GlobalMemory| {
@@ -341,9 +363,19 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
             assert!(gm.read(bpa) == partials, "MODE 3 wrote the split states");
             combined.push((ds, floats(&runs[0], c.out_bf16)));
         }
+        // the COOP states through the combine and output projection in one launch
+        let ds = [16usize, 32, 64].into_iter().find(|ds| g.latent % ds == 0).unwrap();
+        if let Some((states, read, warps)) = &coop_states {
+            gm.write(bpa, 0, states);
+            gm.write(bo, 0, &vec![0xFF; c.tokens * g.heads * g.v * osize]);
+            run_helper(3, 4, ds as u32, [(g.heads * g.latent / ds) as u32, 1, 1], &mut gm);
+            coop_out = Some((*read, *warps, floats(&gm.read(bo), c.out_bf16)));
+            gm.write(bpa, 0, &partials);
+        }
         run_helper(2, 4, 0, [(g.heads * g.v / (8 * rpw)) as u32, 1, 1], &mut gm);
         // kv_b is read once per step (W_UK by the absorb launch, W_UV by the output launch)
-        assert_eq!(gm.bytes_loaded(bw) - w_uv * 2 * combined.len() as u64, kv_b_bytes.len() as u64, "kv_b bytes read");
+        let w_uv_runs = 2 * combined.len() as u64 + coop_out.is_some() as u64;
+        assert_eq!(gm.bytes_loaded(bw) - w_uv * w_uv_runs, kv_b_bytes.len() as u64, "kv_b bytes read");
         stats
     };
     let out = gm.read(bo);
@@ -390,6 +422,9 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
             let again = g.latent.saturating_sub(128 * stage);
             assert_eq!(b as usize, want + groups * selected_rows * again * 2, "cache bytes read with {stage} staged chunks");
         }
+        if let Some((read, warps, _)) = &coop_out {
+            assert_eq!(*read as usize, want, "cache bytes read by {warps} warps taking each tile together");
+        }
         let mma_rows = (2 * g.latent + g.rope) as f64 / (g.latent + g.rope) as f64;
         assert!(want > 0 && (1.0..=if layout.0 == 1 { mma_rows } else { 1.0 }).contains(&ratio), "cache bytes read / compulsory = {ratio}");
     }
@@ -405,6 +440,9 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
         check(&format!("{what} vs CPU {form:?}"), c.out_bf16, &got, &want);
         for (ds, got) in &combined {
             check(&format!("{what}, combine and output in one launch ({ds} dims per block), vs CPU {form:?}"), c.out_bf16, got, &want);
+        }
+        if let Some((_, warps, got)) = &coop_out {
+            check(&format!("{what}, {warps} warps taking each tile together, vs CPU {form:?}"), c.out_bf16, got, &want);
         }
         // Padding tokens are zeros; active tokens attend to something (a row whose only position
         // became -1 legitimately gives zeros, on both sides), so nothing passes trivially.
@@ -431,6 +469,11 @@ fn mma_layout(g: &Geo, hg: usize, threads: u32, qs: usize, mma: bool, out_bf16: 
     let nl = g.latent.div_ceil(128);
     let xs = (qs * hg * nl * 512).max(mma as usize * (3 * hg * qbs + threads as usize / 32 * 576));
     (mma as u32, qbs as u32, xs as u32)
+}
+
+/// The lowering's warps for tiles taken together (compiler/src/passes/lower/attention.rs).
+fn coop_warps(latent: usize, hg: usize, nl: usize) -> Option<usize> {
+    (1..=8).rev().find(|&w| latent % (32 * w) == 0 && (latent / w == 32 || (latent / w) % 64 == 0) && 2 * w * 512 <= hg * nl * 512)
 }
 
 /// The lowering's choice of q_abs slices (compiler/src/passes/lower/attention.rs).
@@ -650,6 +693,7 @@ fn glm5_and_tiny_instances_assemble_for_sm_120a() {
         splits: 1,
         split: topk,
         stage: 0,
+        coop: 0,
         }
     };
     let mut worst = (0, 0);
@@ -690,6 +734,7 @@ fn glm5_and_tiny_instances_assemble_for_sm_120a() {
             splits: 1,
             split: topk,
             stage: 0,
+            coop: 0,
         };
         ptxas_check(&format!("tiny_hg{hg}_k{topk}_t{threads}_mma{mma}"), &p, &ptxas);
     }
@@ -699,6 +744,12 @@ fn glm5_and_tiny_instances_assemble_for_sm_120a() {
     for (splits, per, threads, stage) in [(128u32, 16u32, 64u32, 4u32), (64, 32, 64, 4), (64, 32, 64, 0), (6, 342, 256, 1), (6, 342, 256, 0)] {
         let chunk = per.div_ceil(threads) * threads;
         let (r, s) = ptxas_check(&format!("glm5_split{splits}_stage{stage}"), &MlaAttentionParams { mode: 1, splits, split: per, stage, ..glm(8, threads, 2048, chunk, true) }, &ptxas);
+        worst = (worst.0.max(r), worst.1.max(s));
+    }
+    // and with its 8 warps taking each tile together (batches 8 to 64: 47 splits of 44 .. 6 of 342)
+    for (splits, per) in [(6u32, 342u32), (47, 44)] {
+        let chunk = per.div_ceil(256) * 256;
+        let (r, s) = ptxas_check(&format!("glm5_split{splits}_coop"), &MlaAttentionParams { mode: 1, splits, split: per, coop: 1, ..glm(8, 256, 2048, chunk, true) }, &ptxas);
         worst = (worst.0.max(r), worst.1.max(s));
     }
     for (tokens, splits, rpw) in [(1u32, 128u32, 1u32), (1, 64, 1), (64, 6, 4)] {

@@ -409,7 +409,7 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
     let plan = kiln_runtime::plan::read_plan(&dir.join("plan")).expect("plan");
     // (what, program, predicate on one of the step's launches, real tokens, first position)
     type Pick = (&'static str, &'static str, fn(&Plan, &kiln_runtime::plan::Launch) -> bool, usize, u32);
-    let picks: [Pick; 18] = [
+    let picks: [Pick; 19] = [
         ("a merged launch: the router's gate product with its selection as the tail, beside the shared expert's gate/up", "decode_1", |pl, l| plan_template(pl, l) == "merged" && pl.kernel(l.kernel).parts.iter().any(|q| pl.kernel(q.kernel).template == "router"), 1, 300),
         ("rmsnorm over column blocks (a group's input norm)", "decode_4", |pl, l| plan_template(pl, l) == "rmsnorm" && param(pl, l, "CB") > 1, 4, 300),
         ("the residual add and the norm an all-reduce launches after NCCL", "decode_8", |pl, l| plan_template(pl, l) == "add", 8, 300),
@@ -423,6 +423,7 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
         ("split-K NVFP4 SiLU GEMM", "decode_32", |pl, l| plan_template(pl, l) == "linear_nvfp4_gemm" && param(pl, l, "SPLIT") == 1 && param(pl, l, "SILU") == 1, 32, 300),
         ("split-KV attention over 2048 selected of 3000", "decode_1", |pl, l| plan_template(pl, l) == "mla_split", 1, 2999),
         ("split-KV attention, 3 of 64 tokens", "decode_64", |pl, l| plan_template(pl, l) == "mla_split", 3, 150),
+        ("split-KV attention with every tile taken by all 8 warps, 3 of 64 tokens", "decode_64", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "COOP") == 1, 3, 150),
         ("attention, 4 heads per block", "prefill_128", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "HG") == 4, 3, 150),
         ("attention on the tensor cores", "prefill_512", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "MMA") == 1, 2, 150),
         ("MoE on the tensor cores", "prefill_128", |pl, l| plan_template(pl, l) == "moe_gate_up" && param(pl, l, "MMA") == 1, 2, 10),

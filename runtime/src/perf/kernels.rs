@@ -124,6 +124,11 @@ impl Params<'_> {
         self.0.params.iter().find(|(n, _)| n == name).map(|(_, v)| *v as f64).ok_or_else(|| format!("{} has no parameter {name}", self.0.name))
     }
 
+    /// A parameter newer than some plans of this format: `default` where the kernel lacks it.
+    fn v_or(&self, name: &str, default: f64) -> f64 {
+        self.v(name).unwrap_or(default)
+    }
+
     /// Element size of a `*_BF16` flag: 2 for BF16, 4 for F32.
     fn size(&self, flag: &str) -> Result<f64, String> {
         Ok(if self.v(flag)? == 1.0 { 2.0 } else { 4.0 })
@@ -400,7 +405,9 @@ fn mla_attention(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<()
     c.read(Class::Aux, selected * 4.0, groups);
     // every head group loads each selected row; MMA: the scores load latent | rope for the
     // tensor cores, the context the latent dims again that STAGE did not keep in shared memory
-    let unstaged = if mma { (latent - 128.0 * p.v("STAGE")?).max(0.0) } else { 0.0 };
+    // (COOP: each warp keeps its share of every row's dims, none are read again)
+    let coop = p.v_or("COOP", 0.0) == 1.0;
+    let unstaged = if mma && !coop { (latent - 128.0 * p.v("STAGE")?).max(0.0) } else { 0.0 };
     let row = latent + rope + unstaged;
     c.read(Class::Kv, selected * (latent + rope) * 2.0, groups * row / (latent + rope));
     let per_block = if split { 0.0 } else { 2.0 * hg * latent * (nope + v) };

@@ -101,6 +101,13 @@ fn split_threads(per_split: usize) -> u32 {
     (32 * per_split.div_ceil(MIN_SPLIT).clamp(2, 8)) as u32
 }
 
+/// Warps of a split block whose warps take each tile together (`COOP`): the most, up to 8, that
+/// share the latent equally in runs the context loads whole (32 dims, or a multiple of 64), with
+/// their partial scores (two buffers of 512 B a warp) inside the q_abs half of the region.
+fn coop_warps(latent: usize, hg: usize, nl: usize) -> Option<usize> {
+    (1..=8).rev().find(|&w| latent % (32 * w) == 0 && (latent / w == 32 || (latent / w) % 64 == 0) && 2 * w * 512 <= hg * nl * 512)
+}
+
 /// W_UV rows per warp of the output launch (`heads * v / (8 * rows)` blocks), as the byte model
 /// prefers ([`candidate_us`]): every block reads its rows of W_UV once and each token's context of
 /// its head once, so more rows per warp re-read the contexts less but leave SMs idle (batch 1:
@@ -190,15 +197,23 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         && numel(p, absorbed) == tokens * heads * latent
         && numel(p, partials) == tokens * split_cap * heads * (latent + 4);
     let instance = |hg: usize, mode: u32, splits: usize, per: usize| -> MlaAttentionParams {
-        let threads = if mode == 1 { split_threads(per) } else { threads_for(hg) };
-        let per = if mode == 1 { per } else { k };
-        let qs = q_slices(nope, hg, nl, threads);
         let (mma, qbs) = mma_layout(hg, latent, rope, kv.row_elems(), out_bf16 == 1);
-        // The q_abs partial sums and (MMA) the split q and p tiles share one scratch region.
-        let xs = (qs * hg * nl * 512).max(mma as usize * (3 * hg * qbs as usize + threads as usize / 32 * 576));
+        let threads = if mode == 1 { split_threads(per) } else { threads_for(hg) };
         // the tensor-core path keeps as many 128-dim chunks of each warp's 16-row tile for the
         // context as the q_abs | ctx region (free during the tiles) holds for every warp
-        let stage = if mma == 1 { (hg * nl * 1024 / ((threads as usize / 32) * 16 * 256)).min(nl) } else { 0 };
+        let stage = |threads: u32| if mma == 1 { (hg * nl * 1024 / ((threads as usize / 32) * 16 * 256)).min(nl) } else { 0 };
+        // where that leaves dims to read from the cache again, a split block's warps take each
+        // tile together instead, each its share of the dims (every row read once)
+        let coop = match coop_warps(latent, hg, nl) {
+            Some(w) if mode == 1 && mma == 1 && stage(threads) < nl => Some(w),
+            _ => None,
+        };
+        let threads = coop.map_or(threads, |w| 32 * w as u32);
+        let stage = if coop.is_some() { 0 } else { stage(threads) };
+        let per = if mode == 1 { per } else { k };
+        let qs = q_slices(nope, hg, nl, threads);
+        // The q_abs partial sums and (MMA) the split q and p tiles share one scratch region.
+        let xs = (qs * hg * nl * 512).max(mma as usize * (3 * hg * qbs as usize + threads as usize / 32 * 576));
         MlaAttentionParams {
             arch: cx.arch,
             heads: heads as u32,
@@ -226,6 +241,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             splits: splits as u32,
             split: per as u32,
             stage: stage as u32,
+            coop: coop.is_some() as u32,
         }
     };
     // The preferred head group (split: all heads that fit, the splits fill the GPU), or smaller
