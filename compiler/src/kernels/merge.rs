@@ -232,6 +232,8 @@ pub fn merge_ptx(parts: &[MergePart]) -> Result<String, String> {
     let mut params = Vec::new();
     let mut shared = Vec::new();
     let mut bodies = Vec::new();
+    // a head: a part whose next part is its tail
+    let heads: Vec<bool> = (0..parts.len()).map(|i| parts.get(i + 1).is_some_and(|p| p.tail)).collect();
     for (i, (k, part)) in kernels.iter().zip(parts).enumerate() {
         let prefix = |n: &str| format!("m{i}_{n}");
         let mut renames: Vec<(String, String)> = Vec::new();
@@ -267,8 +269,7 @@ pub fn merge_ptx(parts: &[MergePart]) -> Result<String, String> {
         ];
         let mut body = rename(&k.body, &renames, &specials);
         // a head's returns lead to its arrival, a tail's to the end of its block's turn
-        let chained = parts.get(i + 1).is_some_and(|p| p.tail);
-        if chained {
+        if heads[i] {
             body = returns_to(&body, &format!("KMERGE_ARRIVE{i}"))?;
         }
         if part.tail {
@@ -315,7 +316,7 @@ pub fn merge_ptx(parts: &[MergePart]) -> Result<String, String> {
         ptx.push_str("    {\n");
         ptx.push_str(&bodies[i]);
         ptx.push_str("    }\n");
-        if parts.get(i + 1).is_some_and(|p| p.tail) {
+        if heads[i] {
             let t = i + 1;
             let tail = &parts[t];
             // every thread's stores before the block's arrival; the last block of the head's

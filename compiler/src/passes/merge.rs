@@ -128,14 +128,16 @@ fn parts_of(plan: &Plan, l: &Launch) -> Vec<KernelPart> {
     }
 }
 
+/// Whether a kernel is one template's, not merged and not a collective.
+fn plain(plan: &Plan, id: KernelId) -> bool {
+    let k = plan.kernel(id);
+    k.parts.is_empty() && k.family != KernelFamily::Collective
+}
+
 /// Whether a launch is one template kernel or a chain (a head and its tail): what may merge.
 fn mergeable(plan: &Plan, l: &Launch) -> bool {
     let k = plan.kernel(l.kernel);
-    let plain = |id: KernelId| {
-        let k = plan.kernel(id);
-        k.parts.is_empty() && k.family != KernelFamily::Collective
-    };
-    !l.args.contains(&LaunchArg::P2pRegion) && (plain(l.kernel) || (k.parts.len() == 2 && k.parts[1].tail && k.parts.iter().all(|q| plain(q.kernel))))
+    !l.args.contains(&LaunchArg::P2pRegion) && (plain(plan, l.kernel) || (k.parts.len() == 2 && k.parts[1].tail && k.parts.iter().all(|q| plain(plan, q.kernel))))
 }
 
 /// Whether launch `li + 1` of `step` may run as the tail of launch `li` (see the module comment):
@@ -150,8 +152,10 @@ fn chains(plan: &Plan, p: &Program, step: &Step, li: usize) -> bool {
     }
     let (la, lb) = (&step.launches[li], &step.launches[li + 1]);
     let chainable = |l: &Launch| {
-        let k = plan.kernel(l.kernel);
-        k.parts.is_empty() && CHAINABLE.contains(&k.template.as_str()) && l.block[1..] == [1, 1] && !l.args.iter().any(|x| matches!(x, LaunchArg::P2pRegion | LaunchArg::SplitKRegionUpper))
+        plain(plan, l.kernel)
+            && CHAINABLE.contains(&plan.kernel(l.kernel).template.as_str())
+            && l.block[1..] == [1, 1]
+            && !l.args.iter().any(|x| matches!(x, LaunchArg::P2pRegion | LaunchArg::SplitKRegionUpper))
     };
     chainable(la) && chainable(lb) && la.block == lb.block && lb.grid == [1, 1, 1] && !lb.args.contains(&LaunchArg::SplitKRegion)
 }

@@ -138,10 +138,10 @@ pub fn launch_time(c: &Cost, k: &Constants) -> Timing {
 
 /// A merged launch's time: its parts' summed bytes and FLOPs over their summed blocks, but no
 /// less than its slowest part would take alone (a one-block part is not sped up by sharing the
-/// launch with a wide one); a chained part (`tails[i]`, `KernelPart::tail`) adds its
-/// [`tail_us`] after that, as if nothing else still ran beside it.
+/// launch with a wide one); a chained part (`tails[i]`, `KernelPart::tail`: one flag per part)
+/// adds its [`tail_us`] after that, as if nothing else still ran beside it.
 pub fn merged_time(parts: &[Cost], tails: &[bool], k: &Constants) -> Timing {
-    let side: Vec<Cost> = parts.iter().zip(tails.iter().chain(std::iter::repeat(&false))).filter(|(_, &t)| !t).map(|(c, _)| c.clone()).collect();
+    let side: Vec<Cost> = parts.iter().zip(tails).filter(|(_, &t)| !t).map(|(c, _)| c.clone()).collect();
     let together = launch_time(&Cost::sum(&side), k);
     let mut time = side.iter().map(|c| launch_time(c, k)).fold(together, |t, alone| if alone.us > t.us { alone } else { t });
     time.us += parts.iter().zip(tails).filter(|(_, &t)| t).map(|(c, _)| tail_us(c, k)).sum::<f64>();
@@ -293,7 +293,11 @@ pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constant
         for (li, l) in step.launches.iter().enumerate() {
             let parts = launch_part_costs(plan, step, li, load).map_err(|e| format!("{} step {s} ({}): {e}", program.name, step.op.name()))?;
             let cost = Cost::sum(&parts);
-            let tails: Vec<bool> = plan.kernel(l.kernel).parts.iter().map(|q| q.tail).collect();
+            // a plain launch is one part, no tail
+            let tails: Vec<bool> = match &plan.kernel(l.kernel).parts[..] {
+                [] => vec![false; parts.len()],
+                merged => merged.iter().map(|q| q.tail).collect(),
+            };
             launches.push(LaunchPerf { step: s, launch: li, kernel: l.kernel, cost, time: merged_time(&parts, &tails, k) });
         }
     }
