@@ -473,7 +473,7 @@ fn mma_layout(g: &Geo, hg: usize, threads: u32, qs: usize, mma: bool, out_bf16: 
 
 /// The lowering's warps for tiles taken together (compiler/src/passes/lower/attention.rs).
 fn coop_warps(latent: usize, hg: usize, nl: usize) -> Option<usize> {
-    (1..=8).rev().find(|&w| latent % (32 * w) == 0 && (latent / w == 32 || (latent / w) % 64 == 0) && 2 * w * 512 <= hg * nl * 512)
+    (1..=8).rev().find(|&w| latent % (32 * w) == 0 && matches!(latent / w, 32 | 64) && 2 * w * 512 <= hg * nl * 512)
 }
 
 /// The lowering's choice of q_abs slices (compiler/src/passes/lower/attention.rs).

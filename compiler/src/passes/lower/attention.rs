@@ -102,10 +102,11 @@ fn split_threads(per_split: usize) -> u32 {
 }
 
 /// Warps of a split block whose warps take each tile together (`COOP`): the most, up to 8, that
-/// share the latent equally in runs the context loads whole (32 dims, or a multiple of 64), with
-/// their partial scores (two buffers of 512 B a warp) inside the q_abs half of the region.
+/// share the latent equally in runs of 32 or 64 dims (one or two fragment loads a row, held in
+/// registers a tile ahead), with their partial scores (two buffers of 512 B a warp) inside the
+/// q_abs half of the region.
 fn coop_warps(latent: usize, hg: usize, nl: usize) -> Option<usize> {
-    (1..=8).rev().find(|&w| latent % (32 * w) == 0 && (latent / w == 32 || (latent / w) % 64 == 0) && 2 * w * 512 <= hg * nl * 512)
+    (1..=8).rev().find(|&w| latent % (32 * w) == 0 && matches!(latent / w, 32 | 64) && 2 * w * 512 <= hg * nl * 512)
 }
 
 /// W_UV rows per warp of the output launch (`heads * v / (8 * rows)` blocks), as the byte model
