@@ -332,9 +332,15 @@ pub struct SharedMemory {
     pub bytes: Vec<u8>,
 }
 
+/// What a block finds in shared memory and registers it has not written. The hardware leaves
+/// them as earlier blocks did, so a kernel must not read them first; all-ones bytes are NaN as
+/// floats, -1 as integers and true as predicates, so such a read shows in the results (zeros
+/// would hide a missing clear of an accumulator).
+pub const UNWRITTEN: u8 = 0xFF;
+
 impl SharedMemory {
     pub fn new(size: usize) -> Self {
-        SharedMemory { bytes: vec![0; size] }
+        SharedMemory { bytes: vec![UNWRITTEN; size] }
     }
 
     fn range(&self, addr: u64, size: u64) -> Result<usize, String> {

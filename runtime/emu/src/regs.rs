@@ -9,9 +9,13 @@ pub struct RegFile {
 }
 
 impl RegFile {
-    /// `bits[r]` is the declared width of register `r`; every write is masked to it.
+    /// `bits[r]` is the declared width of register `r`; every write is masked to it. Registers
+    /// start as [`UNWRITTEN`](super::memory::UNWRITTEN) bytes (all ones at their width), as
+    /// undefined as on the hardware.
     pub fn new(bits: &[u32]) -> Self {
-        RegFile { vals: vec![0; bits.len() * 32], masks: bits.iter().map(|b| mask_bits(*b)).collect() }
+        let masks: Vec<u64> = bits.iter().map(|b| mask_bits(*b)).collect();
+        let unwritten = u64::from_le_bytes([super::memory::UNWRITTEN; 8]);
+        RegFile { vals: masks.iter().flat_map(|&m| [unwritten & m; 32]).collect(), masks }
     }
 
     #[inline]
@@ -38,6 +42,8 @@ mod tests {
         assert_eq!(rf.get(0, 3), 0x2345);
         assert_eq!(rf.get(1, 3), 0);
         assert_eq!(rf.get(2, 31), u64::MAX);
-        assert_eq!(rf.get(0, 2), 0);
+        // a lane not yet written holds all ones at the register's width
+        assert_eq!(rf.get(0, 2), 0xFFFF);
+        assert_eq!(rf.get(1, 0), 1);
     }
 }
