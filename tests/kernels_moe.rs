@@ -17,6 +17,7 @@ mod common;
 
 use kiln_compiler::kernels::{MoeDownParams, MoeGateUpParams};
 use kiln_compiler::passes::lower::{gate_up_cols, loads_ahead, SMEM_LIMIT, THREADS};
+use kiln_runtime::cpu::quant::quantize_block_codes;
 use kiln_runtime::cpu::reference::{self, Nvfp4Stack};
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, Module};
 use kiln_runtime::perf::{Constants, Experts};
@@ -253,6 +254,7 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
         threads: THREADS,
         x_bf16: c.x_bf16 as u32,
         compact: 0,
+        mid_fp4: 0,
     };
     let pd = MoeDownParams {
         arch,
@@ -273,6 +275,8 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
         add: 0,
         add_bf16: 0,
         stage: 0,
+        acc_smem: 0,
+        mid_fp4: 0,
     };
     let mg = Module::parse(&pg.render().unwrap(), "moe_gate_up.ptx").unwrap();
     let md = Module::parse(&pd.render().unwrap(), "moe_down.ptx").unwrap();
@@ -294,10 +298,54 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
     let bout = g.alloc("out", c.tokens * sh.hidden * 2);
     let a = |b| KernelArg::U64(g.addr(b));
     let first_arg = KernelArg::U32(first as u32);
-    let args1 = vec![a(bx), a(bids), a(bseq), a(bgw), a(bgs), a(bg2), a(bgi), a(bmid), first_arg.clone()];
+    let args1 = vec![a(bx), a(bids), a(bseq), a(bgw), a(bgs), a(bg2), a(bgi), a(bmid), a(bdi), first_arg.clone()];
     let args2 = vec![a(bmid), a(bids), a(bseq), a(brw), a(bdw), a(bds), a(bd2), a(bdi), a(bacc), a(bout), a(bout), first_arg];
     let grid1 = [el as u32, (inter as u32).div_ceil(COLS), 1];
     let s1 = launch(&mg, MoeGateUpParams::ENTRY, grid1, [THREADS, 1, 1], pg.dynamic_smem().unwrap(), &args1, &mut g).unwrap();
+    // MID_FP4 (decode): gate/up writes mid quantised for down, codes then block scales, every
+    // 16-value block as the CPU quantises the BF16 row with the down projection's input_scale
+    // (codes compared where the scale is not 0: a zero scale zeroes the block whatever its
+    // codes); unwritten bytes stay 0xFF, an e4m3 NaN
+    let mid_fp4 = (!c.mma).then(|| {
+        let fp4 = MoeGateUpParams { mid_fp4: 1, ..pg };
+        let mf = Module::parse(&fp4.render().unwrap(), "moe_gate_up.ptx").unwrap();
+        let bytes = c.tokens * sh.top_k * inter * 2;
+        let bmid_f = g.alloc("mid_fp4", bytes);
+        g.fill(bmid_f, 0, bytes, 0xFF);
+        let mut args_f = args1.clone();
+        args_f[7] = KernelArg::U64(g.addr(bmid_f));
+        launch(&mf, MoeGateUpParams::ENTRY, grid1, [THREADS, 1, 1], fp4.dynamic_smem().unwrap(), &args_f, &mut g).unwrap();
+        let (mid, quant) = (g.read(bmid), g.read(bmid_f));
+        let scales_at = c.tokens * sh.top_k * inter / 2;
+        let mut blocks = 0;
+        for t in (0..c.tokens).filter(|&t| r.token_seq[t] >= 0) {
+            for j in 0..sh.top_k {
+                let Some(local) = (r.ids[t * sh.top_k + j] as usize).checked_sub(first).filter(|&e| e < el) else { continue };
+                let row = t * sh.top_k + j;
+                let vals: Vec<f32> = mid[row * inter * 2..(row + 1) * inter * 2].chunks_exact(2).map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
+                for b in 0..inter / 16 {
+                    let (sf, codes) = quantize_block_codes(&vals[b * 16..(b + 1) * 16], dn.input_scale[local]);
+                    assert_eq!(quant[scales_at + row * inter / 16 + b], sf, "MID_FP4 scale of row {row} block {b}");
+                    let packed: Vec<u8> = codes.chunks_exact(2).map(|p| p[0] | p[1] << 4).collect();
+                    if sf != 0 {
+                        assert_eq!(&quant[row * inter / 2 + b * 8..][..8], &packed[..], "MID_FP4 codes of row {row} block {b}");
+                    }
+                    blocks += 1;
+                }
+            }
+        }
+        assert!(blocks > 0 || r.token_seq.iter().all(|&t| t < 0) || el == 0, "no routed block checked");
+        // COMPACT blocks (as lowering pairs them at batches 2 to 16) write the same bytes
+        let compact = MoeGateUpParams { compact: 1, ..fp4 };
+        let mc = Module::parse(&compact.render().unwrap(), "moe_gate_up.ptx").unwrap();
+        let bmid_c = g.alloc("mid_fp4_compact", bytes);
+        g.fill(bmid_c, 0, bytes, 0xFF);
+        args_f[7] = KernelArg::U64(g.addr(bmid_c));
+        let slots = (c.tokens * sh.top_k).min(el) as u32;
+        launch(&mc, MoeGateUpParams::ENTRY, [slots, (inter as u32).div_ceil(COLS), 1], [THREADS, 1, 1], compact.dynamic_smem().unwrap(), &args_f, &mut g).unwrap();
+        assert!(g.read(bmid_c) == quant, "MID_FP4 gate/up over {slots} compact blocks differs from one block per expert");
+        bmid_f
+    });
     if !c.mma {
         // Decode's narrower blocks (as `gate_up_cols` picks at batch 1: one column per warp),
         // loading one block ahead instead of four, compute every column as the 64-wide ones do.
@@ -334,6 +382,17 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
         launch(&mn, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(32), 1, 1], [THREADS, 1, 1], narrow.dynamic_smem().unwrap(), &args32, &mut g).unwrap();
         assert!(g.read(bout32) == g.read(bout), "down with 32 columns per block, unroll 3, differs from {COLS}, unroll 4");
     }
+    if let Some(bmid_f) = mid_fp4 {
+        // ... and down copying those codes writes the bits of down quantising the BF16 rows
+        let fp4 = MoeDownParams { mid_fp4: 1, ..pd };
+        let mf = Module::parse(&fp4.render().unwrap(), "moe_down.ptx").unwrap();
+        let bout_f = g.alloc("out_mid_fp4", c.tokens * sh.hidden * 2);
+        let mut args_f = args2.clone();
+        args_f[0] = KernelArg::U64(g.addr(bmid_f));
+        args_f[9] = KernelArg::U64(g.addr(bout_f));
+        launch(&mf, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(COLS), 1, 1], [THREADS, 1, 1], fp4.dynamic_smem().unwrap(), &args_f, &mut g).unwrap();
+        assert!(g.read(bout_f) == g.read(bout), "down reading FP4 mid differs from down quantising BF16 mid");
+    }
     // STAGE: the routing copied to shared memory once, every expert's scan reading it there,
     // writes the same bits
     let staged = MoeDownParams { stage: 1, ..pd };
@@ -349,6 +408,19 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
     let active = r.token_seq.iter().filter(|&&t| t >= 0).count();
     let blocks = (sh.hidden as u32).div_ceil(COLS) as u64;
     assert!(g.bytes_loaded(bids) - ids_read <= blocks * (active * sh.top_k * 4) as u64, "staged down re-reads the routing");
+    // ACC_SMEM: each block's columns of acc in its shared memory write the same bits and never
+    // touch the acc argument (a NaN pattern there would reach out if it were read)
+    let in_smem = MoeDownParams { acc_smem: 1, stage: 1, ..pd };
+    let mm = Module::parse(&in_smem.render().unwrap(), "moe_down.ptx").unwrap();
+    let (bacc_m, bout_m) = (g.alloc("acc_unused", c.tokens * sh.hidden * 4), g.alloc("out_acc_smem", c.tokens * sh.hidden * 2));
+    g.fill(bacc_m, 0, c.tokens * sh.hidden * 4, 0xFF);
+    let mut args_m = args2.clone();
+    args_m[8] = KernelArg::U64(g.addr(bacc_m));
+    args_m[9] = KernelArg::U64(g.addr(bout_m));
+    launch(&mm, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(COLS), 1, 1], [THREADS, 1, 1], in_smem.dynamic_smem().unwrap(), &args_m, &mut g).unwrap();
+    assert!(g.read(bout_m) == g.read(bout), "down with acc in shared memory differs from acc in global memory");
+    assert_eq!(g.bytes_loaded(bacc_m), 0, "down with acc in shared memory read the acc argument");
+    assert!(g.read(bacc_m).iter().all(|&b| b == 0xFF), "down with acc in shared memory wrote the acc argument");
     let got: Vec<f32> = g.read(bout).chunks_exact(2).map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
     // ADD: the shared experts' output added in the final store gives an add launch's bits (the
     // rounded output plus shared, rounded), padding tokens included
@@ -417,6 +489,10 @@ fn moe_matches_the_cpu_under_tp_and_ep() {
         // EP rank 0 and 1 (8 experts each; rank 1's first expert is 8), f32 input, bf16 routing weights; rank 1 with groups of 1 and a whole warp per column
         Case { shape: TINY, tokens: 17, padding: vec![4], share: 5, split: Split::Ep { ranks: 2, rank: 0 }, group: None, lanes: None, mma: false, x_bf16: false, w_bf16: true, split_scales: false },
         Case { shape: TINY, tokens: 3, padding: vec![], share: 2, split: Split::Ep { ranks: 2, rank: 1 }, group: Some(1), lanes: Some(32), mma: false, x_bf16: true, w_bf16: false, split_scales: false },
+        // 33 tokens on expert 5 in groups of 16: gate/up's MID_FP4 quantisation of a group spans
+        // two warps, and the next group's slots must wait for both (block (5, 0) runs warp 0
+        // ahead of warp 1 in the emulator)
+        Case { shape: TINY, tokens: 33, padding: vec![], share: 33, split: tp1, group: Some(16), lanes: None, mma: false, x_bf16: true, w_bf16: false, split_scales: false },
         // TP2 rank 0 with 17 tokens, 4 lanes per column (several blocks per lane)
         Case { shape: TINY, tokens: 17, padding: vec![2, 3], share: 17, split: Split::Tp { tp: 2, rank: 0 }, group: None, lanes: Some(4), mma: false, x_bf16: true, w_bf16: false, split_scales: false },
         // ragged: hidden 272 and intermediate 80 are not multiples of the 64-column tiles, 17 and 5
@@ -479,11 +555,15 @@ fn glm5_decode_moe_reads_the_selected_experts_once() {
     }
 }
 
-/// The down launch with the routing staged in shared memory where it fits, as lowering does it
+/// The down launch with the routing (and acc, within the decode budget) in shared memory where it fits, as lowering does it
 /// (1 KiB left for the static arrays).
 fn staged_where_it_fits(dn: MoeDownParams) -> MoeDownParams {
     let fits = dn.dynamic_smem().unwrap() as usize + 1024 <= SMEM_LIMIT as usize;
-    MoeDownParams { stage: fits as u32, ..dn }
+    let dn = MoeDownParams { stage: fits as u32, ..dn };
+    // acc in shared memory within the decode budget (half, for two blocks an SM)
+    let with_acc = MoeDownParams { acc_smem: 1, ..dn };
+    let budget = if dn.tokens <= 64 { SMEM_LIMIT as usize / 2 } else { SMEM_LIMIT as usize };
+    if with_acc.dynamic_smem().unwrap() as usize + 1024 <= budget { with_acc } else { dn }
 }
 
 /// (name, gate/up params, down params) of the GLM-5 tp8 instances the lowering emits for `arch`.
@@ -498,8 +578,8 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
             let g2 = if mma { 32 } else { group(tokens, inter * 3 / 4) };
             let cols = gate_up_cols(&Experts::uniform(tokens, top_k, 256, experts), inter, hidden, 2, mma, &Constants::SM120A);
             // loads ahead as the lowering picks them (four at G <= 4 would spill at larger G)
-            let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), unroll: loads_ahead(g1), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: THREADS, x_bf16: 1, compact: (!mma && tokens * top_k < experts) as u32 };
-            let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: if mma { COLS } else { 32 } /* down_cols at GLM-5 decode sizes */, lanes: lanes(inter), unroll: loads_ahead(g2), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1, stage: 1 };
+            let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), unroll: loads_ahead(g1), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: THREADS, x_bf16: 1, compact: (!mma && tokens * top_k < experts) as u32, mid_fp4: (!mma && cols % 16 == 0) as u32 };
+            let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: if mma { COLS } else { 32 } /* down_cols at GLM-5 decode sizes */, lanes: lanes(inter), unroll: loads_ahead(g2), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1, stage: 1, acc_smem: 0, mid_fp4: gu.mid_fp4 };
             out.push((format!("sm_{arch}a glm5 {mode} tokens={tokens} G={g1}/{g2} cols={cols} mma={mma}"), gu, staged_where_it_fits(dn)));
         }
     }
@@ -507,8 +587,8 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
     for (tokens, mma) in [(1usize, false), (17, false), (128, true)] {
         let g1 = if mma { 32 } else { group(tokens, 384) };
         let g2 = if mma { 32 } else { group(tokens, 96) };
-        let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, k: 256, g: g1 as u32, cols: COLS, lanes: lanes(256), unroll: loads_ahead(g1), mma: mma as u32, kc: 256, threads: THREADS, x_bf16: 1, compact: (!mma && tokens * 4 < 16) as u32 };
-        let dn = MoeDownParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, hidden: 256, g: g2 as u32, cols: COLS, lanes: lanes(128), unroll: loads_ahead(g2), mma: mma as u32, kc: 128, threads: THREADS, w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1, stage: 1 };
+        let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, k: 256, g: g1 as u32, cols: COLS, lanes: lanes(256), unroll: loads_ahead(g1), mma: mma as u32, kc: 256, threads: THREADS, x_bf16: 1, compact: (!mma && tokens * 4 < 16) as u32, mid_fp4: !mma as u32 };
+        let dn = MoeDownParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, hidden: 256, g: g2 as u32, cols: COLS, lanes: lanes(128), unroll: loads_ahead(g2), mma: mma as u32, kc: 128, threads: THREADS, w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1, stage: 1, acc_smem: 0, mid_fp4: gu.mid_fp4 };
         out.push((format!("sm_{arch}a tiny tokens={tokens} mma={mma}"), gu, staged_where_it_fits(dn)));
     }
     out

@@ -3,7 +3,8 @@
 //! Warps take turns at memory accesses (so a race between warps that share memory without a
 //! barrier shows, as it would on hardware), each until it exits or reaches a barrier; warps run at
 //! different speeds, warp w making [`burst`] accesses a turn, so one can run ahead of another (a
-//! buffer one warp rewrites before a slower one has read it shows too); a barrier
+//! buffer one warp rewrites before a slower one has read it shows too), and which warps lead
+//! differs between blocks, so a race shows whichever way round it goes; a barrier
 //! completes when the participating warps have arrived (the `b` thread count, or all warps that
 //! have not exited). Arrival is per warp, as in the ISA.
 
@@ -52,7 +53,7 @@ pub fn run_block(lc: &LaunchCtx, ctaid: [u32; 3]) -> Result<(Counters, Option<Nc
                     Status::Done => break,
                     Status::Yield => {
                         accesses += 1;
-                        if accesses >= burst(w) {
+                        if accesses >= burst(w, ctaid) {
                             break;
                         }
                     }
@@ -113,10 +114,14 @@ pub fn run_block(lc: &LaunchCtx, ctaid: [u32; 3]) -> Result<(Counters, Option<Nc
     }
 }
 
-/// Memory accesses warp `w` makes a turn: 1, 6, 11, .. 36 for warps 0..7 of each eight, so
-/// within a block some warps run several times ahead of others between barriers.
-fn burst(w: usize) -> u32 {
-    1 + 5 * (w % 8) as u32
+/// Memory accesses warp `w` of block `ctaid` makes a turn: 1, 6, 11, .. 36, so within a block
+/// some warps run several times ahead of others between barriers. The speeds of each eight
+/// warps are permuted by the block (speed rank `(w mod 8) xor (b mod 8)`, `b` the sum of the
+/// block's indices): warp 0 is the slowest of block 0 but ahead of warp 1 in every odd block, so
+/// a kernel whose low warps overwrite what its high warps still read fails too.
+fn burst(w: usize, ctaid: [u32; 3]) -> u32 {
+    let b = ctaid.iter().map(|&c| c as usize).sum::<usize>();
+    1 + 5 * ((w % 8) ^ (b % 8)) as u32
 }
 
 fn release(b: &mut Barrier, warps: &mut [Warp], blocked: &mut [bool]) {

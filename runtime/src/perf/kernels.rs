@@ -494,7 +494,10 @@ fn moe_gate_up(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), 
     let pairs = e.sum(|n| n);
     let groups = e.sum(|n| (n / g).ceil());
     c.blocks = hit * tiles;
-    c.read(Class::Weights, 16.0, hit * tiles);
+    // a working block's scalars (gate and up input_scale and weight_scale_2; with MID_FP4 the
+    // down projection's input_scale, newer than plans of format 16)
+    let mid_fp4 = p.v_or("MID_FP4", 0.0) == 1.0;
+    c.read(Class::Weights, if mid_fp4 { 20.0 } else { 16.0 }, hit * tiles);
     c.read(Class::Activations, pairs * topk * 4.0, tiles);
     c.read(Class::Activations, pairs * kk * p.size("X_BF16")?, tiles);
     let row = if mma { kk / 2.0 + kk / 4.0 } else { kk * 9.0 / 16.0 };
@@ -503,7 +506,8 @@ fn moe_gate_up(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), 
     let unique = hit * 2.0 * inter * kk * 9.0 / 16.0;
     let loads = groups * loaded * 2.0 * row;
     c.read(Class::Weights, unique, if unique > 0.0 { loads / unique } else { 0.0 });
-    c.write(pairs * inter * 2.0);
+    // mid: BF16, or with MID_FP4 e2m1 codes and an e4m3 scale per 16 values
+    c.write(pairs * inter * if mid_fp4 { 9.0 / 16.0 } else { 2.0 });
     if mma {
         c.flops.fp4_mma += groups * 32.0 * loaded * 2.0 * kk * 2.0;
     } else {
@@ -529,23 +533,28 @@ fn moe_down(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), Str
     let staged = p.v("STAGE")? == 1.0;
     let scans = if staged { 0.0 } else { used };
     let group_ids = if staged { 0.0 } else { topk * 4.0 };
-    c.write(tokens * hidden * 4.0);
+    // acc in global memory: zeroed, read-modify-written per (pair, column), read to round; in
+    // shared memory (ACC_SMEM, newer than plans of format 16) none of it
+    let acc_global = p.v_or("ACC_SMEM", 0.0) == 0.0;
+    let acc = if acc_global { 4.0 } else { 0.0 };
+    c.write(tokens * hidden * acc);
     c.read(Class::Aux, tokens * 4.0, blocks * (1.0 + scans));
     c.read(Class::Activations, active * topk * 4.0, blocks * (1.0 + scans));
     c.read(Class::Weights, 8.0 * used, blocks);
     c.read(Class::Activations, pairs * (group_ids + p.size("W_BF16")?), blocks);
-    c.read(Class::Activations, pairs * inter * 2.0, blocks);
+    // every block reads every routed row of mid (MID_FP4: codes and scales, not BF16)
+    c.read(Class::Activations, pairs * inter * if p.v_or("MID_FP4", 0.0) == 1.0 { 9.0 / 16.0 } else { 2.0 }, blocks);
     let row = if mma { inter / 2.0 + inter / 4.0 } else { inter * 9.0 / 16.0 };
     let loaded: f64 = (0..blocks as usize).map(|t| tile_rows((hidden - t as f64 * cols).min(cols), cols, lanes, mma)).sum();
     let unique = used * hidden * inter * 9.0 / 16.0;
     let loads = groups * loaded * row;
     c.read(Class::Weights, unique, if unique > 0.0 { loads / unique } else { 0.0 });
     // acc += w * y per (token, expert, column), then out = round(acc) (plus the shared experts')
-    c.read(Class::Activations, pairs * hidden * 4.0 + tokens * hidden * 4.0, 1.0);
+    c.read(Class::Activations, (pairs + tokens) * hidden * acc, 1.0);
     if p.v("ADD")? == 1.0 {
         c.read(Class::Activations, tokens * hidden * p.size("ADD_BF16")?, 1.0);
     }
-    c.write(pairs * hidden * 4.0 + tokens * hidden * p.size("OUT_BF16")?);
+    c.write(pairs * hidden * acc + tokens * hidden * p.size("OUT_BF16")?);
     if mma {
         c.flops.fp4_mma += groups * 32.0 * loaded * inter * 2.0;
     } else {

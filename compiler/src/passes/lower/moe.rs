@@ -5,8 +5,11 @@
 //! experts, `COMPACT`: only as many blocks along x as pairs, block x taking the x-th expert that
 //! got a token) writes the BF16 SwiGLU output of every
 //! routed (token, choice) pair into `mid`; `moe_down` (grid: hidden column tiles) owns its
-//! columns of `acc` for every token and adds the experts' weighted outputs in ascending expert
-//! order, as the CPU does, then rounds into `out`. No float atomics: the result is deterministic.
+//! columns of `acc` for every token (in its shared memory where they fit: decode) and adds the
+//! experts' weighted outputs in ascending expert order, as the CPU does, then rounds into `out`.
+//! At decode where gate/up's column tiles are multiples of 16 (`MID_FP4`), gate/up writes `mid`
+//! already quantised for down (codes and block scales, as down would compute them), so down's
+//! column blocks do not each quantise every row again. No float atomics: the result is deterministic.
 //! Decode programs use CUDA-core dot products over exact NVFP4 block products (each selected
 //! expert's weights read once); prefill programs use the tensor cores on groups of 32 tokens:
 //! FP4 mma m16n8k64 with e4m3 block scales on sm_120a, f16 mma m16n8k16 over the decoded
@@ -91,15 +94,16 @@ pub fn gate_up_cols(routing: &Experts, inter: usize, k: usize, x_bytes: usize, m
 
 /// Hidden columns per block of the down launch. The tensor-core path takes 64. The CUDA-core
 /// (decode) path picks 64 or 32 by [`candidate_us`] under `routing`: every block reads the
-/// whole `mid` (one row of `inter` BF16 values per routed pair) and its columns of the routed
-/// experts' weights. At GLM-5 tp8 batch 64, 64-wide blocks are 96 (half the GPU); 32-wide,
-/// 192 for 25 MB more of `mid` re-reads.
-pub fn down_cols(routing: &Experts, hidden: usize, inter: usize, mma: bool, consts: &Constants) -> u32 {
+/// whole `mid` (one row per routed pair: `inter` BF16 values, or with `mid_fp4` their codes and
+/// block scales, 9/16 B a value) and its columns of the routed experts' weights. At GLM-5 tp8
+/// batch 64, 64-wide blocks are 96 (half the GPU); 32-wide, 192 for 25 MB (BF16) or 7 MB
+/// (FP4) more of `mid` re-reads.
+pub fn down_cols(routing: &Experts, hidden: usize, inter: usize, mid_fp4: bool, mma: bool, consts: &Constants) -> u32 {
     if mma {
         return MOE_COLS;
     }
     let weights = routing.sum(|n| if n > 0.0 { 1.0 } else { 0.0 }) * hidden as f64 * inter as f64 * 9.0 / 16.0;
-    let mid = routing.sum(|n| n) * inter as f64 * 2.0;
+    let mid = routing.sum(|n| n) * inter as f64 * if mid_fp4 { 9.0 / 16.0 } else { 2.0 };
     let cost = |cols: u32| {
         let blocks = hidden.div_ceil(cols as usize) as f64;
         candidate_us(weights, blocks * mid, 0.0, blocks, consts)
@@ -192,12 +196,18 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         threads: THREADS,
         x_bf16,
         compact: 0,
+        mid_fp4: 0,
     };
     // decode with fewer routed pairs than local experts: only as many gate/up blocks as pairs
     // along x, each finding its expert (GLM-5 tp8 batch 1: 8 x 32 blocks launched, not 256 x 32)
     let slots = tokens * top_k;
     let compact = !mma && slots < e && gu.dynamic_smem()? as usize >= 4 * (e + 1);
-    let gu = MoeGateUpParams { compact: compact as u32, ..gu };
+    // Decode (both launches on the CUDA cores): gate/up quantises mid for down, each block its
+    // columns (whole 16-value blocks), so down's blocks copy codes instead of each quantising
+    // every row again (GLM-5 tp8 batch 64: 192 blocks read 74 KB of mid instead of 262 KB)
+    let mma_dn = tokens > MOE_DECODE_TOKENS && inter % 64 == 0;
+    let mid_fp4 = !mma && !mma_dn && gu_cols % 16 == 0;
+    let gu = MoeGateUpParams { compact: compact as u32, mid_fp4: mid_fp4 as u32, ..gu };
     let gu_args = MoeGateUpArgs {
         x: Ptr::Buffer(input),
         ids: Ptr::Buffer(ids),
@@ -207,10 +217,10 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         scale_2: Ptr::Weight(g2),
         input_scale: Ptr::Weight(gi),
         mid: Ptr::Buffer(mid),
+        down_input_scale: Ptr::Weight(di),
         first_expert,
     };
     // Down: G rows of K = intermediate values (tensor cores for prefill, as gate/up).
-    let mma_dn = tokens > MOE_DECODE_TOKENS && inter % 64 == 0;
     let kc_dn = mma_chunk(cx.arch, inter);
     let g2n = if mma_dn {
         MMA_GROUP
@@ -218,7 +228,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         let most = group_size(tokens, inter * 3 / 4, cx.smem_limit)?;
         decode_group(most, &routing, h as f64 * inter as f64 * 9.0 / 16.0, h as f64 * inter as f64 * 2.0, &cx.consts)
     };
-    let dn_cols = down_cols(&routing, h, inter, mma_dn, &cx.consts);
+    let dn_cols = down_cols(&routing, h, inter, mid_fp4, mma_dn, &cx.consts);
     let dn = MoeDownParams {
         arch: cx.arch,
         tokens: u(tokens)?,
@@ -238,10 +248,18 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         add: u32::from(shared.is_some()),
         add_bf16: shared.map_or(Ok(0), |s| float_flag(p.buffer(s).dtype, "the shared experts' output"))?,
         stage: 1,
+        acc_smem: 0,
+        mid_fp4: mid_fp4 as u32,
     };
     // every used expert's scan reads the routing from shared memory where it fits (decode)
     let staged = dn.dynamic_smem()? as usize + STATIC_SMEM <= cx.smem_limit as usize;
     let dn = MoeDownParams { stage: staged as u32, ..dn };
+    // and the block's columns of acc live there too where they fit within the decode budget
+    // (two blocks an SM): the sum over experts then never leaves the SM (GLM-5 tp8 batch 64:
+    // 8 KiB a block instead of 25 MB of read-modify-writes per layer)
+    let with_acc = MoeDownParams { acc_smem: 1, ..dn };
+    let budget = if tokens <= MOE_DECODE_TOKENS { cx.smem_limit as usize / 2 } else { cx.smem_limit as usize };
+    let dn = if with_acc.dynamic_smem()? as usize + STATIC_SMEM <= budget { with_acc } else { dn };
     let dn_args = MoeDownArgs {
         mid: Ptr::Buffer(mid),
         ids: Ptr::Buffer(ids),
@@ -276,10 +294,12 @@ mod tests {
         // to ~225 experts (226 MB of weights); 96 blocks of 64 columns draw half the bandwidth,
         // 192 of 32 all of it for 25 MB more of mid.
         let (batch64, c) = (Experts::uniform(64, 8, 256, 256), Constants::SM120A);
-        assert_eq!(down_cols(&batch64, 6144, 256, false, &c), 32);
+        assert_eq!(down_cols(&batch64, 6144, 256, false, false, &c), 32);
+        // FP4 mid (7 MB more) only makes the narrower blocks cheaper
+        assert_eq!(down_cols(&batch64, 6144, 256, true, false, &c), 32);
         // A GPU that 96 blocks fill keeps them; so does the tensor-core path.
-        assert_eq!(down_cols(&batch64, 6144, 256, false, &Constants { sms: 96, ..c }), 64);
-        assert_eq!(down_cols(&batch64, 6144, 256, true, &c), 64);
+        assert_eq!(down_cols(&batch64, 6144, 256, false, false, &Constants { sms: 96, ..c }), 64);
+        assert_eq!(down_cols(&batch64, 6144, 256, false, true, &c), 64);
     }
 
     #[test]
