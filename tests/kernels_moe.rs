@@ -574,9 +574,10 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
     for (mode, experts, inter) in [("tp", 256usize, 256usize), ("ep", 32, 2048)] {
         for tokens in [1usize, 32, 8192] {
             let mma = tokens > 64;
-            let g1 = if mma { 32 } else { group(tokens, hidden * 3 / 2) };
-            let g2 = if mma { 32 } else { group(tokens, inter * 3 / 4) };
             let cols = gate_up_cols(&Experts::uniform(tokens, top_k, 256, experts), inter, hidden, 2, mma, &Constants::SM120A);
+            // the largest groups that fit (with MID_FP4 a token also stages its columns' values)
+            let g1 = if mma { 32 } else { group(tokens, hidden * 3 / 2 + if cols % 16 == 0 { cols as usize * 4 } else { 0 }) };
+            let g2 = if mma { 32 } else { group(tokens, inter * 3 / 4) };
             // loads ahead as the lowering picks them (four at G <= 4 would spill at larger G)
             let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), unroll: loads_ahead(g1), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: THREADS, x_bf16: 1, compact: (!mma && tokens * top_k < experts) as u32, mid_fp4: (!mma && cols % 16 == 0) as u32 };
             let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: if mma { COLS } else { 32 } /* down_cols at GLM-5 decode sizes */, lanes: lanes(inter), unroll: loads_ahead(g2), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1, stage: 1, acc_smem: 0, mid_fp4: gu.mid_fp4 };
@@ -585,7 +586,7 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
     }
     // and the tiny model's
     for (tokens, mma) in [(1usize, false), (17, false), (128, true)] {
-        let g1 = if mma { 32 } else { group(tokens, 384) };
+        let g1 = if mma { 32 } else { group(tokens, 384 + 64 * 4) };
         let g2 = if mma { 32 } else { group(tokens, 96) };
         let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, k: 256, g: g1 as u32, cols: COLS, lanes: lanes(256), unroll: loads_ahead(g1), mma: mma as u32, kc: 256, threads: THREADS, x_bf16: 1, compact: (!mma && tokens * 4 < 16) as u32, mid_fp4: !mma as u32 };
         let dn = MoeDownParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, hidden: 256, g: g2 as u32, cols: COLS, lanes: lanes(128), unroll: loads_ahead(g2), mma: mma as u32, kc: 128, threads: THREADS, w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1, stage: 1, acc_smem: 0, mid_fp4: gu.mid_fp4 };

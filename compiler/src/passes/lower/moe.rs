@@ -172,14 +172,21 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let kc = mma_chunk(cx.arch, h);
     // Decode shapes are costed under the uniform routing `kiln inspect --perf` assumes.
     let routing = uniform_experts(cx.plan, tokens);
+    let x_bf16 = float_flag(p.buffer(input).dtype, "the input")?;
+    let gu_cols = gate_up_cols(&routing, inter, h, if x_bf16 == 1 { 2 } else { 4 }, mma, &cx.consts);
+    // Decode (both launches on the CUDA cores): gate/up quantises mid for down, each block its
+    // columns (whole 16-value blocks), so down's blocks copy codes instead of each quantising
+    // every row again (GLM-5 tp8 batch 64: 192 blocks read 74 KB of mid instead of 262 KB)
+    let mma_dn = tokens > MOE_DECODE_TOKENS && inter % 64 == 0;
+    let mid_fp4 = !mma && !mma_dn && gu_cols % 16 == 0;
     let g1 = if mma {
         MMA_GROUP
     } else {
-        let most = group_size(tokens, h * 3 / 2, cx.smem_limit)?;
+        // a token's quantised row, and with MID_FP4 its staged values of the block's columns
+        let row = h * 3 / 2 + if mid_fp4 { gu_cols as usize * 4 } else { 0 };
+        let most = group_size(tokens, row, cx.smem_limit)?;
         decode_group(most, &routing, 2.0 * inter as f64 * h as f64 * 9.0 / 16.0, 2.0 * inter as f64 * 2.0 * h as f64, &cx.consts)
     };
-    let x_bf16 = float_flag(p.buffer(input).dtype, "the input")?;
-    let gu_cols = gate_up_cols(&routing, inter, h, if x_bf16 == 1 { 2 } else { 4 }, mma, &cx.consts);
     let gu = MoeGateUpParams {
         arch: cx.arch,
         tokens: u(tokens)?,
@@ -202,11 +209,6 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     // along x, each finding its expert (GLM-5 tp8 batch 1: 8 x 32 blocks launched, not 256 x 32)
     let slots = tokens * top_k;
     let compact = !mma && slots < e && gu.dynamic_smem()? as usize >= 4 * (e + 1);
-    // Decode (both launches on the CUDA cores): gate/up quantises mid for down, each block its
-    // columns (whole 16-value blocks), so down's blocks copy codes instead of each quantising
-    // every row again (GLM-5 tp8 batch 64: 192 blocks read 74 KB of mid instead of 262 KB)
-    let mma_dn = tokens > MOE_DECODE_TOKENS && inter % 64 == 0;
-    let mid_fp4 = !mma && !mma_dn && gu_cols % 16 == 0;
     let gu = MoeGateUpParams { compact: compact as u32, mid_fp4: mid_fp4 as u32, ..gu };
     let gu_args = MoeGateUpArgs {
         x: Ptr::Buffer(input),
