@@ -417,12 +417,13 @@ fn bf16_group_case(m: usize, k: usize, members: &[(usize, bool)], x_bf16: bool, 
     let region = g.alloc("split_k_region", SplitKLayout::BYTES as usize);
     let partials = if f.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
     let (m32, n32, k32) = (m as u32, n as u32, k as u32);
-    let params = LinearBf16GemmParams { arch: 120, m: m32, n: n32, k: k32, segs: members.len() as u32, c1: starts[1], c2: starts[2], c3: starts[3], split: 1, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: 2, nbuf: 2, threads: 256, x_bf16: x_bf16 as u32, out_bf16: mask, norm: 0, nw_bf16: 0 };
+    let params = LinearBf16GemmParams { arch: 120, m: m32, n: n32, k: k32, segs: members.len() as u32, c1: starts[1], c2: starts[2], c3: starts[3], split: f.split, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16: x_bf16 as u32, out_bf16: mask, norm: 0, nw_bf16: 0 };
     let module = Module::parse(&params.render().unwrap(), "linear_bf16_gemm.ptx").unwrap();
     let seg = |v: &Vec<_>, s: usize| *v.get(s).unwrap_or(&v[0]);
     let mut args: Vec<KernelArg> = [bx, ws[0], outs[0], seg(&ws, 1), seg(&ws, 2), seg(&ws, 3), seg(&outs, 1), seg(&outs, 2), seg(&outs, 3), region, ws[0]].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
     args.push(KernelArg::F32(0.0));
-    let grid = [n.div_ceil(8 * f.nt as usize) as u32, m.div_ceil(16 * f.mt as usize) as u32, f.ks];
+    let (bm, bn) = if f.split == 1 { (16 * f.mt as usize, 8 * f.nt as usize) } else { (32 * f.mt as usize, 128) };
+    let grid = [n.div_ceil(bn) as u32, m.div_ceil(bm) as u32, f.ks];
     // (a mutant's loads may run past a weight: the emulator's bounds check is a failure too)
     if let Err(e) = launch(&module, LinearBf16GemmParams::ENTRY, grid, [256, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g) {
         eprintln!("{params:?}: {e}");
@@ -462,11 +463,17 @@ fn grouped_bf16_linears_match_the_cpu_member_by_member() {
         for f in forms {
             assert!(bf16_group_case(m, k, members, x_bf16, f, 0, 900 + i as u64), "group {i} {f:?} differs from the CPU");
         }
+        // the tiled form (its 128-column tiles straddle q_a | kv_a | wk | the head weights: each
+        // row and column finds its segment), one K slice and K over blocks
+        for f in [tiled(2, 2, 3), Form { ks: 2, ..tiled(2, 2, 3) }] {
+            assert!(bf16_group_case(m, k, members, x_bf16, f, 0, 920 + i as u64), "group {i} tiled {f:?} differs from the CPU");
+        }
     }
     // mutants: segment 1 starting one n8 tile late (its first columns go to segment 0's
     // weights), or early, must show
     assert!(!bf16_group_case(1, 6144, &qa, true, split_k(1, 4, 12), 8, 950), "a misplaced segment boundary went unnoticed");
     assert!(!bf16_group_case(4, 2048, &[(2048, true), (512, true)], true, split(1, 4), -8, 951), "a misplaced segment boundary went unnoticed");
+    assert!(!bf16_group_case(64, 6144, &qa, true, tiled(2, 2, 3), 8, 952), "a misplaced segment boundary in the tiled form went unnoticed");
 }
 
 /// A group with a norm in its launch (`NORM`, decode's input and q_a norms): the launch that
@@ -603,11 +610,13 @@ fn glm5_prefill_shapes_assemble_without_spills() {
     for (arch, m) in [120, 90].into_iter().flat_map(|a| [1u32, 4, 16, 64].map(|m| (a, m))) {
         for (k, starts, n, mask) in [(6144u32, [256u32, 328, 456], 488u32, 7u32), (2048, [2048, 0, 0], 2560, 3)] {
             let segs = if starts[1] == 0 { 2 } else { 4 };
-            let (picked, _) = bf16_gemm_form(m as usize, n as usize, k as usize, true, &Constants::SM120A);
-            let f = split_k(picked.mt, if picked.split == 1 { picked.nt } else { 4 }, picked.ks);
-            let partials = if f.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
-            let p = LinearBf16GemmParams { arch, m, n, k, segs, c1: starts[0], c2: starts[1], c3: starts[2], split: 1, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: 2, nbuf: 2, threads: 256, x_bf16: 1, out_bf16: mask, norm: 0, nw_bf16: 0 };
-            kernels.push((format!("bf16group_sm{arch}_m{m}_n{n}_k{k}_s1_segs{segs}_mt{}_nt{}_ks{}", f.mt, f.nt, f.ks), p.render().unwrap(), p.dynamic_smem().unwrap()));
+            // the form lowering picks (a tiled one with its ring as lowering sizes it at mt 2)
+            let (picked, _) = kiln_compiler::passes::lower::bf16_group_form(m as usize, n as usize, k as usize, true, None, segs == 2, &Constants::SM120A).unwrap();
+            for f in [if picked.split == 1 { split_k(picked.mt, picked.nt, picked.ks) } else { Form { ks: picked.ks, ..tiled(2, 2, 3) } }] {
+                let partials = if f.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
+                let p = LinearBf16GemmParams { arch, m, n, k, segs, c1: starts[0], c2: starts[1], c3: starts[2], split: f.split, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16: 1, out_bf16: mask, norm: 0, nw_bf16: 0 };
+                kernels.push((format!("bf16group_sm{arch}_m{m}_n{n}_k{k}_s{}_segs{segs}_mt{}_nt{}_ks{}", f.split, f.mt, f.nt, f.ks), p.render().unwrap(), p.dynamic_smem().unwrap()));
+            }
         }
     }
     // (instances, fewest and most registers, least and most shared memory) per form

@@ -110,15 +110,20 @@ fn bf16_tiled_forms(tiled: Bf16Form, m: usize, n: usize, k: usize) -> impl Itera
     KS_CANDIDATES.into_iter().filter(move |&ks| ks_allowed(ks, tiles, steps, m * n, MIN_TILED_STAGES)).map(move |ks| Bf16Form { ks, ..tiled })
 }
 
-/// The cheapest split form of M x N x K (for a group's columns side by side, which has no
-/// tiled form) and its predicted µs; None past the split form's rows. `norm`: the GEMM
-/// RMS-normalises its BF16 rows first (`NORM`), with a norm weight of that many bytes a value.
-fn bf16_split_form(m: usize, n: usize, k: usize, x_bf16: bool, norm: Option<usize>, consts: &Constants) -> Option<(Bf16Form, f64)> {
+/// The cheapest form of a group's M x N x K (its members' columns side by side) and its
+/// predicted µs; None past the split form's rows (decode only). `norm`: the GEMM RMS-normalises
+/// its BF16 rows first (`NORM`), with a norm weight of that many bytes a value: only the split
+/// forms do that. Without it, a group of two members with outputs of one dtype may take the
+/// tiled forms too (q_b | wq_b at batch 64: 2,560 columns read x once per 128 instead of once
+/// per 32); with more members or mixed outputs ptxas 12.9 spills some tiled instances.
+pub fn bf16_group_form(m: usize, n: usize, k: usize, x_bf16: bool, norm: Option<usize>, tiled_ok: bool, consts: &Constants) -> Option<(Bf16Form, f64)> {
     let cost = bf16_cost(m, n, k, x_bf16, norm, consts);
     if m > BF16_SPLIT_MAX_M {
         return None;
     }
-    cheapest(bf16_split_forms(m, n, k), &cost).map(|f| (f, cost(&f)))
+    let tiled = Bf16Form { split: 0, mt: 2, nt: 1, ks: 1 };
+    let tiled_forms = (norm.is_none() && tiled_ok).then(|| bf16_tiled_forms(tiled, m, n, k)).into_iter().flatten();
+    cheapest(bf16_split_forms(m, n, k).chain(tiled_forms), &cost).map(|f| (f, cost(&f)))
 }
 
 /// A BF16 form's predicted µs ([`candidate_us`]): the weights once per row block, the
@@ -331,10 +336,10 @@ pub(super) fn predicted(cx: &Cx, op: &Op) -> Option<(bool, f64)> {
 /// The most linears one grouped launch takes (the template's segments).
 pub const GROUP_MAX: usize = 4;
 
-/// A `LinearGroup` as one launch of the BF16 GEMM's split form, its members' columns side by
-/// side (`SEGS`), and its predicted µs; None where the group cannot be one launch: more than
-/// [`GROUP_MAX`] members, prefill-sized M (no tiled form), or a member other than the last
-/// whose rows are not a multiple of 8 (an n8 tile would straddle two weights).
+/// A `LinearGroup` as one launch of the BF16 GEMM (split or tiled form, [`bf16_group_form`]),
+/// its members' columns side by side (`SEGS`), and its predicted µs; None where the group
+/// cannot be one launch: more than [`GROUP_MAX`] members, prefill-sized M, or a member other
+/// than the last whose rows are not a multiple of 8 (an n8 tile would straddle two weights).
 ///
 /// With `fuse_norm` (a group with a norm, BF16 rows and normed rows) the launch normalises the
 /// group's input itself (`NORM`); without it, a group with a norm reads its normed rows (which a
@@ -368,9 +373,6 @@ pub(super) fn group_instance(cx: &Cx, op: &Op, fuse_norm: bool) -> Result<Option
     super::bf16_linear_shape(k, Epilogue::None, "GEMM")?;
     let x_bf16 = float_flag(p.buffer(input).dtype, "the input")?;
     let norm_bytes = fused.map(|_| if nw_bf16 == 1 { 2 } else { 4 });
-    let Some((form, us)) = bf16_split_form(m, n, k, x_bf16 == 1, norm_bytes, &cx.consts) else {
-        return Ok(None);
-    };
     let mut out_bf16 = 0;
     let mut starts = [0u32; GROUP_MAX];
     let mut col = 0;
@@ -379,6 +381,10 @@ pub(super) fn group_instance(cx: &Cx, op: &Op, fuse_norm: bool) -> Result<Option
         starts[s] = col as u32;
         col += g.rows;
     }
+    let tiled_ok = members.len() == 2 && (out_bf16 == 0 || out_bf16 == 3);
+    let Some((form, us)) = bf16_group_form(m, n, k, x_bf16 == 1, norm_bytes, tiled_ok, &cx.consts) else {
+        return Ok(None);
+    };
     let u = |v: usize| v as u32;
     let params = LinearBf16GemmParams {
         arch: cx.arch,
@@ -389,7 +395,7 @@ pub(super) fn group_instance(cx: &Cx, op: &Op, fuse_norm: bool) -> Result<Option
         c1: starts[1],
         c2: starts[2],
         c3: starts[3],
-        split: 1,
+        split: form.split,
         ks: form.ks,
         partials: if form.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 },
         mt: form.mt,
@@ -402,13 +408,21 @@ pub(super) fn group_instance(cx: &Cx, op: &Op, fuse_norm: bool) -> Result<Option
         norm: fused.is_some() as u32,
         nw_bf16,
     };
+    // the tiled form's ring as a single linear's (bf16 GEMM instances above)
+    let params = if form.split == 1 {
+        params
+    } else {
+        let stage = LinearBf16GemmParams { nbuf: 1, ..params }.dynamic_smem()? as usize;
+        LinearBf16GemmParams { nbuf: ring(stage, cx.smem_limit), ..params }
+    };
     fits(params.dynamic_smem()? as usize, cx.smem_limit, "the grouped BF16 GEMM")?;
     let w = |s: usize| Ptr::Weight(members.get(s).unwrap_or(&members[0]).weight);
     let o = |s: usize| Ptr::Buffer(members.get(s).unwrap_or(&members[0]).out);
     let splitk = if form.ks > 1 { Ptr::SplitKRegion } else { o(0) };
     let (nw, eps) = fused.map_or((w(0), 0.0), |nm| (Ptr::Weight(nm.weight), nm.eps));
     let args = LinearBf16GemmArgs { x: Ptr::Buffer(input), w: w(0), out: o(0), w1: w(1), w2: w(2), w3: w(3), out1: o(1), out2: o(2), out3: o(3), splitk, nw, eps };
-    let grid = [u(n.div_ceil(8 * form.nt as usize)), u(m.div_ceil(16 * form.mt as usize)), form.ks];
+    let (bm, bn) = if form.split == 1 { (16 * form.mt as usize, 8 * form.nt as usize) } else { (32 * form.mt as usize, GEMM_BN) };
+    let grid = [u(n.div_ceil(bn)), u(m.div_ceil(bm)), form.ks];
     Ok(Some((of_grid(&params, grid, THREADS, args.launch_args()), us)))
 }
 
