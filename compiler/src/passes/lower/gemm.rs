@@ -39,6 +39,16 @@ fn ring(stage: usize, smem_limit: u32) -> u32 {
     n.max(2) as u32
 }
 
+/// A BF16 GEMM's params with the tiled form's ring of stage buffers sized by [`ring`] (the split
+/// form has none: unchanged).
+fn tiled_ring(params: LinearBf16GemmParams, smem_limit: u32) -> Result<LinearBf16GemmParams, String> {
+    if params.split == 1 {
+        return Ok(params);
+    }
+    let stage = LinearBf16GemmParams { nbuf: 1, ..params }.dynamic_smem()? as usize;
+    Ok(LinearBf16GemmParams { nbuf: ring(stage, smem_limit), ..params })
+}
+
 /// NVFP4 stages: (64-wide K steps per stage, stage buffers). One k64 step per stage and as deep
 /// a ring as fits two blocks per SM, so several stages of weights are in flight (decode-sized M
 /// is latency-bound); no more buffers than K has stages. A stage holds the weight codes and
@@ -61,6 +71,17 @@ pub struct Bf16Form {
     /// Blocks that share out K (grid.z; > 1 adds the partials through the split-K region,
     /// `SplitKLayout`).
     pub ks: u32,
+}
+
+impl Bf16Form {
+    /// Activation rows and weight rows (output columns) of one block.
+    pub fn block(&self) -> (usize, usize) {
+        if self.split == 1 {
+            (16 * self.mt as usize, 8 * self.nt as usize)
+        } else {
+            (32 * self.mt as usize, GEMM_BN)
+        }
+    }
 }
 
 /// K stages each slice of a tiled form sharing K over blocks keeps (its ring of cp.async
@@ -133,7 +154,7 @@ pub fn bf16_group_form(m: usize, n: usize, k: usize, x_bf16: bool, norm: Option<
 fn bf16_cost(m: usize, n: usize, k: usize, x_bf16: bool, norm: Option<usize>, consts: &Constants) -> impl Fn(&Bf16Form) -> f64 + '_ {
     let x_bytes = if x_bf16 { 2 } else { 4 };
     move |f: &Bf16Form| {
-        let (bm, bn) = if f.split == 1 { (16 * f.mt as usize, 8 * f.nt as usize) } else { (32 * f.mt as usize, GEMM_BN) };
+        let (bm, bn) = f.block();
         let (gx, gy) = (n.div_ceil(bn) as f64, m.div_ceil(bm) as f64);
         let partials = if f.ks > 1 { 2.0 * (f.ks as usize * m * n * 4) as f64 } else { 0.0 };
         let (norm_w, norm_x) = norm.map_or((0.0, 0.0), |w| ((k * w) as f64 * gx * gy, (m * k * 2) as f64 * gx * f.ks as f64));
@@ -224,13 +245,8 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             let base = LinearBf16GemmParams { arch: cx.arch, m: u(m), n: u(n), k: u(k), segs: 1, c1: 0, c2: 0, c3: 0, split: 0, ks: 1, partials: 0, mt: 2, nt: 1, kb: BF16_KB, nbuf: 2, threads: THREADS, x_bf16, out_bf16, norm: 0, nw_bf16: 0 };
             let (form, _) = bf16_gemm_form(m, n, k, x_bf16 == 1, &cx.consts);
             let partials = if form.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
-            let (params, bm, bn) = if form.split == 1 {
-                (LinearBf16GemmParams { split: 1, mt: form.mt, nt: form.nt, ks: form.ks, partials, ..base }, 16 * form.mt as usize, 8 * form.nt as usize)
-            } else {
-                let mt = form.mt;
-                let stage = LinearBf16GemmParams { mt, nbuf: 1, ..base }.dynamic_smem()? as usize;
-                (LinearBf16GemmParams { mt, nbuf: ring(stage, cx.smem_limit), ks: form.ks, partials, ..base }, 32 * mt as usize, GEMM_BN)
-            };
+            let params = tiled_ring(LinearBf16GemmParams { split: form.split, mt: form.mt, nt: form.nt, ks: form.ks, partials, ..base }, cx.smem_limit)?;
+            let (bm, bn) = form.block();
             fits(params.dynamic_smem()? as usize, cx.smem_limit, "the BF16 GEMM")?;
             let grid = [u(n.div_ceil(bn)), u(m.div_ceil(bm)), params.ks];
             // one K slice per block needs no region: the output stands in for the ignored argument
@@ -408,20 +424,14 @@ pub(super) fn group_instance(cx: &Cx, op: &Op, fuse_norm: bool) -> Result<Option
         norm: fused.is_some() as u32,
         nw_bf16,
     };
-    // the tiled form's ring as a single linear's (bf16 GEMM instances above)
-    let params = if form.split == 1 {
-        params
-    } else {
-        let stage = LinearBf16GemmParams { nbuf: 1, ..params }.dynamic_smem()? as usize;
-        LinearBf16GemmParams { nbuf: ring(stage, cx.smem_limit), ..params }
-    };
+    let params = tiled_ring(params, cx.smem_limit)?;
     fits(params.dynamic_smem()? as usize, cx.smem_limit, "the grouped BF16 GEMM")?;
     let w = |s: usize| Ptr::Weight(members.get(s).unwrap_or(&members[0]).weight);
     let o = |s: usize| Ptr::Buffer(members.get(s).unwrap_or(&members[0]).out);
     let splitk = if form.ks > 1 { Ptr::SplitKRegion } else { o(0) };
     let (nw, eps) = fused.map_or((w(0), 0.0), |nm| (Ptr::Weight(nm.weight), nm.eps));
     let args = LinearBf16GemmArgs { x: Ptr::Buffer(input), w: w(0), out: o(0), w1: w(1), w2: w(2), w3: w(3), out1: o(1), out2: o(2), out3: o(3), splitk, nw, eps };
-    let (bm, bn) = if form.split == 1 { (16 * form.mt as usize, 8 * form.nt as usize) } else { (32 * form.mt as usize, GEMM_BN) };
+    let (bm, bn) = form.block();
     let grid = [u(n.div_ceil(bn)), u(m.div_ceil(bm)), form.ks];
     Ok(Some((of_grid(&params, grid, THREADS, args.launch_args()), us)))
 }

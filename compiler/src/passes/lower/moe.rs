@@ -56,9 +56,14 @@ pub fn list_bytes(tokens: usize) -> usize {
 /// memory bandwidth, and an expert rarely gets more than a few of these tokens).
 pub const MOE_DECODE_TOKENS: usize = 64;
 
+/// Shared memory one MoE block may take: half the SM's at decode (two blocks an SM), else all.
+fn smem_budget(tokens: usize, smem_limit: u32) -> usize {
+    if tokens <= MOE_DECODE_TOKENS { smem_limit as usize / 2 } else { smem_limit as usize }
+}
+
 /// Largest token group whose quantised rows (`bytes_per_token` each) fit beside the token list.
 pub fn group_size(tokens: usize, bytes_per_token: usize, smem_limit: u32) -> Result<usize, String> {
-    let budget = if tokens <= MOE_DECODE_TOKENS { smem_limit as usize / 2 } else { smem_limit as usize };
+    let budget = smem_budget(tokens, smem_limit);
     let fit = |budget: usize| budget.saturating_sub(STATIC_SMEM + list_bytes(tokens)) / bytes_per_token.max(1);
     // Below the budget, one token at a time if a row fits at all.
     let g = match fit(budget) {
@@ -260,7 +265,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     // (two blocks an SM): the sum over experts then never leaves the SM (GLM-5 tp8 batch 64:
     // 8 KiB a block instead of 25 MB of read-modify-writes per layer)
     let with_acc = MoeDownParams { acc_smem: 1, ..dn };
-    let budget = if tokens <= MOE_DECODE_TOKENS { cx.smem_limit as usize / 2 } else { cx.smem_limit as usize };
+    let budget = smem_budget(tokens, cx.smem_limit);
     let dn = if with_acc.dynamic_smem()? as usize + STATIC_SMEM <= budget { with_acc } else { dn };
     let dn_args = MoeDownArgs {
         mid: Ptr::Buffer(mid),
