@@ -197,7 +197,7 @@ if [ "$double" = 0 ] && [ "$quick" = 0 ] && [ -n "$san" ]; then
   done
 fi
 
-# ---- the collective paths (2+ GPUs): the one-shot P2P kernel, which start-up takes where every
+# ---- the collective paths (2+ GPUs): the P2P kernel, which start-up takes where every
 # GPU pair passes the peer probe, and NCCL (KILN_P2P=off) must give the same logits bit for bit
 # (both sum in rank order in f32, both gather row by row); the log names the path taken and why
 if [ "$tp" -ge 2 ]; then

@@ -1,8 +1,9 @@
-//! The one-shot P2P collective template on simulated GPUs: every rank its own memory at its own
-//! base, each rank's launch on its own thread addressing the other ranks' memories (as peer
-//! access gives), several all-reduces and all-gathers back to back on each rank (both slots, the
-//! epoch advancing, a rank running ahead of its peers), BF16 and F32, 2, 3 and 8 ranks, from 16 B
-//! to the 64 KiB limit. Every rank must end with the sum bit for bit: f32 additions in
+//! The P2P collective template on simulated GPUs: every rank its own memory at its own base,
+//! each rank's launch on its own thread addressing the other ranks' memories (as peer access
+//! gives), several all-reduces and all-gathers back to back on each rank (both slots, the epoch
+//! advancing, a rank running ahead of its peers), BF16 and F32, 2, 3 and 8 ranks, from 16 B to
+//! the 64 KiB limit of the one-shot form and the `ranks` x 64 KiB of the two-shot one (each rank
+//! sums its share, then copies every share). Every rank must end with the sum bit for bit: f32 additions in
 //! rank order 0, 1, ..., rounded once (the CPU backend's all-reduce), or each row of every rank
 //! side by side in rank order (NCCL's all-gather row by row, the CPU backend's); an all-reduce
 //! that adds into the residual and normalises it must write the CPU reference's rmsnorm of the
@@ -45,6 +46,16 @@ enum Round {
     /// An all-gather of rows of `width` values: every rank's row side by side in rank order; with
     /// `second` = (values, width), a second buffer gathered by the same kernel.
     Gather { width: usize, second: Option<(usize, usize)> },
+    /// An all-reduce round (`Reduce`, `ReduceAdd`, `ReduceAddNorm`) by the two-shot form.
+    TwoShot(&'static Round),
+}
+
+/// (two-shot, the round itself).
+fn shot(kind: &Round) -> (bool, Round) {
+    match *kind {
+        Round::TwoShot(inner) => (true, *inner),
+        k => (false, k),
+    }
 }
 
 fn gather(width: usize) -> Round {
@@ -62,23 +73,26 @@ const EPS: f32 = 1e-5;
 
 /// [`rounds`] with blocks of `threads` threads.
 fn rounds_of(threads: u32, ranks: usize, n: usize, bf16: bool, kinds: &[Round], seed: u64) {
-    let norm_of = |kind: &Round| match *kind {
+    let norm_of = |kind: &Round| match shot(kind).1 {
         Round::ReduceAddNorm { h, w_bf16, out_bf16 } => Some((h, w_bf16, out_bf16)),
         _ => None,
     };
     let size = if bf16 { 2 } else { 4 };
     let layout = P2pLayout { ranks: ranks as u64 };
-    let second = |kind: &Round| match *kind {
+    let second = |kind: &Round| match shot(kind).1 {
         Round::Gather { second: Some(s), .. } => s,
         _ => (0, 1),
     };
     let modules: Vec<Module> = kinds
         .iter()
         .map(|kind| {
+            let (two_shot, kind) = shot(kind);
+            let kind = &kind;
             let (n2, width2) = second(kind);
             let (gather, row) = match *kind {
                 Round::Reduce | Round::ReduceAdd | Round::ReduceAddNorm { .. } => (0, n * size),
                 Round::Gather { width, .. } => (1, width * size),
+                Round::TwoShot(_) => unreachable!("a two-shot round of a two-shot round"),
             };
             let params = P2pCollectiveParams {
                 arch: 120,
@@ -88,13 +102,14 @@ fn rounds_of(threads: u32, ranks: usize, n: usize, bf16: bool, kinds: &[Round], 
                 part: (n * size) as u32,
                 row: row as u32,
                 row2: if n2 > 0 { (width2 * size) as u32 } else { row as u32 },
+                two_shot: two_shot as u32,
                 bf16: bf16 as u32,
                 add: matches!(kind, Round::ReduceAdd | Round::ReduceAddNorm { .. }) as u32,
                 norm: norm_of(kind).is_some() as u32,
                 h: norm_of(kind).map_or(1, |n| n.0 as u32),
                 w_bf16: norm_of(kind).is_some_and(|n| n.1) as u32,
                 out_bf16: norm_of(kind).is_some_and(|n| n.2) as u32,
-                slot: P2P_MAX_BYTES as u32,
+                slot: layout.slot() as u32,
                 flags: layout.flags() as u32,
                 slots: layout.slots() as u32,
                 threads,
@@ -137,6 +152,7 @@ fn rounds_of(threads: u32, ranks: usize, n: usize, bf16: bool, kinds: &[Round], 
                     let addr = |b| KernelArg::U64(mems[r].addr(b));
                     let mut results = Vec::new();
                     for ((((round, module), kind), res), w) in inputs.iter().zip(modules).zip(kinds).zip(residual_in).zip(weight_in) {
+                        let kind = &shot(kind).1;
                         mems[r].write(bufs[r], 0, &bytes(&round[r].0, bf16));
                         mems[r].write(bufs2[r], 0, &bytes(&round[r].1, bf16));
                         mems[r].write(residuals[r], 0, &bytes(res, bf16));
@@ -146,9 +162,9 @@ fn rounds_of(threads: u32, ranks: usize, n: usize, bf16: bool, kinds: &[Round], 
                         }
                         let two = second(kind).0 > 0;
                         let (buf2, out, out2) = match kind {
-                            Round::Reduce | Round::ReduceAdd | Round::ReduceAddNorm { .. } => (bufs[r], bufs[r], bufs[r]),
                             Round::Gather { .. } if two => (bufs2[r], outs[r], outs2[r]),
                             Round::Gather { .. } => (bufs[r], outs[r], outs[r]),
+                            _ => (bufs[r], bufs[r], bufs[r]),
                         };
                         let adds = matches!(kind, Round::ReduceAdd | Round::ReduceAddNorm { .. });
                         let residual = if adds { residuals[r] } else { bufs[r] };
@@ -181,7 +197,7 @@ fn rounds_of(threads: u32, ranks: usize, n: usize, bf16: bool, kinds: &[Round], 
     });
     for (round, (parts, kind)) in inputs.iter().zip(kinds).enumerate() {
         let firsts: Vec<Vec<f32>> = parts.iter().map(|p| p.0.clone()).collect();
-        let want = match *kind {
+        let want = match shot(kind).1 {
             Round::Reduce => rank_order_sum(&firsts, bf16),
             Round::ReduceAdd => {
                 // the add launch's bits: the residual plus the rounded sum, rounded
@@ -204,6 +220,7 @@ fn rounds_of(threads: u32, ranks: usize, n: usize, bf16: bool, kinds: &[Round], 
                 }
                 w
             }
+            Round::TwoShot(_) => unreachable!("a two-shot round of a two-shot round"),
         };
         for (r, got) in results.iter().map(|per_rank| &per_rank[round]).enumerate() {
             let off = got.iter().zip(&want).filter(|(g, w)| g.to_bits() != w.to_bits()).count();
@@ -211,10 +228,11 @@ fn rounds_of(threads: u32, ranks: usize, n: usize, bf16: bool, kinds: &[Round], 
             assert_eq!(off, 0, "{ranks} ranks, {n} values (bf16 {bf16}), round {round}: rank {r} differs from the expected result in {off} values");
         }
     }
-    // the epoch advanced once per collective on every rank
+    // the epoch advanced once per one-shot collective and twice per two-shot one on every rank
+    let epochs: usize = kinds.iter().map(|k| 1 + shot(k).0 as usize).sum();
     for (m, &reg) in mems.iter().zip(&regions) {
         let epoch = u32::from_le_bytes(m.read(reg)[layout.epoch() as usize..][..4].try_into().unwrap());
-        assert_eq!(epoch as usize, kinds.len());
+        assert_eq!(epoch as usize, epochs);
     }
 }
 
@@ -287,12 +305,28 @@ fn gathers_two_buffers_in_one_kernel() {
     rounds(3, 2 * 4, false, &[Gather { width: 4, second: Some((2 * 12, 12)) }, Reduce], 12);
 }
 
+#[test]
+fn two_shot_all_reduces_give_the_one_shot_bits() {
+    use Round::{Reduce, ReduceAdd, ReduceAddNorm, TwoShot};
+    const NORM: Round = ReduceAddNorm { h: 6144, w_bf16: true, out_bf16: true };
+    // GLM-5's decode all-reduce at batch 8 (8 x 6144 BF16: shares of 12 KiB) on 8 ranks: plain,
+    // adding into the residual and normalising it, between one-shot all-reduces and gathers on
+    // the same region and epochs
+    rounds_of(512, 8, 8 * 6144, true, &[TwoShot(&Reduce), Reduce, TwoShot(&NORM), gather(256), TwoShot(&ReduceAdd), TwoShot(&NORM)], 20);
+    // the limit: 2 ranks of 64 KiB shares (BF16), each slot twice
+    rounds(2, 64 << 10, true, &[TwoShot(&Reduce); 4], 21);
+    // F32 on 3 ranks, just past the one-shot limit; rows of 900 values straddling the shares'
+    // boundaries (6,000 values each) for the norm
+    rounds(3, 16_392, false, &[TwoShot(&Reduce), Reduce, TwoShot(&ReduceAdd)], 22);
+    rounds_of(512, 3, 20 * 900, false, &[TwoShot(&ReduceAddNorm { h: 900, w_bf16: true, out_bf16: false }), TwoShot(&Reduce)], 23);
+}
+
 /// Rank 0 of a 2-rank all-reduce of 64 B on its own simulated GPU, rank 1's GPU beside it (both
 /// regions hold the table of regions); `peer_access`: whether rank 0 may address rank 1. Rank 1
 /// never launches. Returns the launch's error and rank 1's region.
 fn rank_0_alone(spins: u32, peer_access: bool) -> (String, Vec<u8>) {
     let layout = P2pLayout { ranks: 2 };
-    let params = P2pCollectiveParams { arch: 120, ranks: 2, gather: 0, bytes: 64, part: 64, row: 64, row2: 64, bf16: 0, add: 0, norm: 0, h: 1, w_bf16: 0, out_bf16: 0, slot: P2P_MAX_BYTES as u32, flags: layout.flags() as u32, slots: layout.slots() as u32, threads: 64, spins };
+    let params = P2pCollectiveParams { arch: 120, ranks: 2, gather: 0, bytes: 64, part: 64, row: 64, row2: 64, two_shot: 0, bf16: 0, add: 0, norm: 0, h: 1, w_bf16: 0, out_bf16: 0, slot: layout.slot() as u32, flags: layout.flags() as u32, slots: layout.slots() as u32, threads: 64, spins };
     let module = Module::parse(&params.render().unwrap(), "p2p_collective.ptx").unwrap();
     let mut mine = GlobalMemory::with_base(GLOBAL_BASE + (1 << 40));
     let mut other = GlobalMemory::with_base(GLOBAL_BASE + (2 << 40));

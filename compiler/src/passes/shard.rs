@@ -210,7 +210,7 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> (BTre
         let transfer_us = (tp - 1) as f64 * share as f64 / (k.p2p_gbps * 1e3);
         let gather_us = match joins {
             Some(_) => Some(transfer_us),
-            None => collective_time(false, (share * tp) as f64, tp, k).1,
+            None => collective_time(false, false, (share * tp) as f64, tp, k).1,
         }
         .filter(|_| share % 16 == 0);
         let (chosen, why) = match (split.projections, divides, gather_us) {

@@ -53,7 +53,7 @@ pub fn run_block(lc: &LaunchCtx, ctaid: [u32; 3]) -> Result<(Counters, Option<Nc
                     Status::Done => break,
                     Status::Yield => {
                         accesses += 1;
-                        if accesses >= burst(w, ctaid) {
+                        if accesses >= burst(w, ctaid, lc.ordinal) {
                             break;
                         }
                     }
@@ -116,12 +116,15 @@ pub fn run_block(lc: &LaunchCtx, ctaid: [u32; 3]) -> Result<(Counters, Option<Nc
 
 /// Memory accesses warp `w` of block `ctaid` makes a turn: 1, 6, 11, .. 36, so within a block
 /// some warps run several times ahead of others between barriers. The speeds of each eight
-/// warps are permuted by the block (speed rank `(w mod 8) xor (b mod 8)`, `b` the sum of the
-/// block's indices): warp 0 is the slowest of block 0 but ahead of warp 1 in every odd block, so
-/// a kernel whose low warps overwrite what its high warps still read fails too.
-fn burst(w: usize, ctaid: [u32; 3]) -> u32 {
-    let b = ctaid.iter().map(|&c| c as usize).sum::<usize>();
-    1 + 5 * ((w % 8) ^ (b % 8)) as u32
+/// warps are permuted by the block and the launch (speed rank `(w mod 8) xor (b mod 8)`, `b` the
+/// sum of the block's indices and the launch's ordinal on its memory): warp 0 is the slowest of
+/// block 0 of a memory's first launch but ahead of warp 1 in every odd block, and in every block
+/// 0 of its odd launches (a one-block kernel, e.g. a collective), so a kernel whose low warps
+/// overwrite what its high warps still read, or announce what they have not yet written, fails
+/// too.
+fn burst(w: usize, ctaid: [u32; 3], ordinal: u64) -> u32 {
+    let b = ctaid.iter().map(|&c| c as u64).sum::<u64>() + ordinal;
+    1 + 5 * ((w as u64 % 8) ^ (b % 8)) as u32
 }
 
 fn release(b: &mut Barrier, warps: &mut [Warp], blocked: &mut [bool]) {

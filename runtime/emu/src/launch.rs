@@ -145,7 +145,7 @@ pub fn launch_params_with_peers(module: &Module, entry: &str, grid: [u32; 3], bl
         return bad(format!("{smem_total} B of shared memory per block ({} static + {smem_bytes} dynamic) exceeds the SM120 limit of {MAX_SHARED_PER_BLOCK} B", e.shared_static));
     }
     let geo = Geometry { grid, block, smem_dynamic: smem_bytes, smem_total: smem_total as u32 };
-    let lc = LaunchCtx { entry: e, global, peers, params, geo, nc_check: nc_check() };
+    let lc = LaunchCtx { entry: e, global, peers, params, geo, nc_check: nc_check(), ordinal: global.count_launch() };
     let nblocks = grid[0] as u64 * grid[1] as u64 * grid[2] as u64;
     let start = Instant::now();
     let block_of = |b: u64| {

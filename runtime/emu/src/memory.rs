@@ -70,6 +70,9 @@ impl Words {
 pub struct GlobalMemory {
     bufs: Vec<Buffer>,
     next: u64,
+    /// Launches run on this memory so far: each launch's warp speeds are permuted by its count
+    /// (see the block scheduler's `burst`).
+    launches: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for GlobalMemory {
@@ -83,14 +86,19 @@ impl std::fmt::Debug for GlobalMemory {
 }
 
 impl GlobalMemory {
+    /// The number of this launch on this memory (0 for the first), counting it.
+    pub fn count_launch(&self) -> u64 {
+        self.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
     pub fn new() -> Self {
-        GlobalMemory { bufs: Vec::new(), next: GLOBAL_BASE }
+        GlobalMemory { bufs: Vec::new(), next: GLOBAL_BASE, launches: Default::default() }
     }
 
     /// Buffers start at `base` (distinct simulated GPUs use distinct bases, as unified
     /// addressing gives every device its own range).
     pub fn with_base(base: u64) -> Self {
-        GlobalMemory { bufs: Vec::new(), next: base }
+        GlobalMemory { bufs: Vec::new(), next: base, launches: Default::default() }
     }
 
     /// A zero-filled buffer of `len` bytes, 256-byte aligned (panics if the host cannot map it:

@@ -31,6 +31,9 @@ pub struct LaunchCtx<'a> {
     /// Record `.nc` reads and global writes (`KILN_EMU_NC_CHECK`): a launch that writes a word it
     /// also reads through `.nc` is an error.
     pub nc_check: bool,
+    /// The launch's number on its memory (`GlobalMemory::count_launch`): it permutes the warps'
+    /// speeds, so a one-block kernel's warp 0 is not always its slowest.
+    pub ordinal: u64,
 }
 
 impl LaunchCtx<'_> {

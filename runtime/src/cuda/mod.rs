@@ -266,8 +266,9 @@ impl CudaBackend {
                 backend.gather("enabling the P2P collectives")?;
                 backend.report.p2p = true;
             }
-            let how = if backend.report.p2p { "the one-shot P2P kernel" } else { "NCCL" };
-            eprintln!("kiln cuda: all-reduces and all-gathers up to {} KiB per GPU: {how} ({})", crate::plan::P2P_MAX_BYTES >> 10, backend.report.p2p_reason);
+            let how = if backend.report.p2p { "the P2P kernel" } else { "NCCL" };
+            let kib = crate::plan::P2P_MAX_BYTES >> 10;
+            eprintln!("kiln cuda: all-reduces up to {} KiB (two-shot above {kib} KiB) and all-gathers up to {kib} KiB per GPU: {how} ({})", ranks as u64 * kib, backend.report.p2p_reason);
             // the gathers of projections split for the P2P path (all but the logits')
             let split_gathers = |p: &crate::plan::Program| p.steps.iter().filter(|s| matches!(&s.op, Op::AllGather { pairs } if pairs.iter().all(|g| g.out != p.logits))).count();
             let gathers = backend.plan.programs.iter().map(split_gathers).max().unwrap_or(0);

@@ -9,8 +9,9 @@
 //! SMs gets that fraction of the bandwidth and of every rate. A collective takes NCCL's
 //! `base + bytes / bandwidth`, or, for a collective the plan gives the one-shot P2P kernel (each
 //! rank's part at most `p2p_max_bytes`), that kernel's `base + (ranks - 1) * part / bandwidth`,
-//! where an all-reduce's part is its whole buffer and an all-gather's one rank's share (reported
-//! beside NCCL: the runtime uses it only where every GPU pair passes the peer probe).
+//! where an all-reduce's part is its whole buffer and an all-gather's one rank's share; the
+//! kernel's two-shot all-reduce is two such passes over a share each (reported beside NCCL: the
+//! runtime uses the kernel only where every GPU pair passes the peer probe).
 //! A step is the sum of its launches and collectives (one CUDA graph, nothing overlaps).
 
 pub mod kernels;
@@ -45,7 +46,8 @@ pub struct Constants {
     pub nccl_gbps: f64,
     /// One-shot P2P all-reduce or all-gather: `p2p_base_us + (ranks - 1) * part / p2p_gbps`, where
     /// `part` (what each rank reads of each peer: an all-reduce's buffer, a gather's one share) is
-    /// at most `p2p_max_bytes`.
+    /// at most `p2p_max_bytes`; a two-shot all-reduce is two of them, each over a share
+    /// (`bytes / ranks`, at most `p2p_max_bytes`).
     pub p2p_base_us: f64,
     pub p2p_gbps: f64,
     pub p2p_max_bytes: u64,
@@ -162,13 +164,37 @@ pub fn launch_floor_us(c: &Cost, k: &Constants) -> f64 {
     memory_us.max(compute_us)
 }
 
-/// A collective's predicted time: (NCCL, one-shot P2P where its size allows). `bytes`: the
-/// all-reduced buffer, or the gathered result (each rank contributes `bytes / ranks`).
-pub fn collective_time(all_reduce: bool, bytes: f64, ranks: usize, k: &Constants) -> (f64, Option<f64>) {
+/// A collective's predicted time: (NCCL, P2P where its size allows). `bytes`: the all-reduced
+/// buffer, or the gathered result (each rank contributes `bytes / ranks`); `two_shot`: an
+/// all-reduce by the P2P kernel's two-shot form (a pass over each rank's share of the sums, then
+/// one gathering the shares), else one-shot (each rank reads every peer's whole part).
+pub fn collective_time(all_reduce: bool, two_shot: bool, bytes: f64, ranks: usize, k: &Constants) -> (f64, Option<f64>) {
     let nccl = k.nccl_base_us + bytes / (k.nccl_gbps * 1e3);
-    let part = if all_reduce { bytes } else { bytes / ranks.max(1) as f64 };
-    let p2p = (part <= k.p2p_max_bytes as f64).then(|| k.p2p_base_us + ranks.saturating_sub(1) as f64 * part / (k.p2p_gbps * 1e3));
+    let share = bytes / ranks.max(1) as f64;
+    let (part, passes) = match (all_reduce, two_shot) {
+        (true, false) => (bytes, 1.0),
+        (true, true) => (share, 2.0),
+        (false, _) => (share, 1.0),
+    };
+    let p2p = (part <= k.p2p_max_bytes as f64).then(|| passes * (k.p2p_base_us + ranks.saturating_sub(1) as f64 * part / (k.p2p_gbps * 1e3)));
     (nccl, p2p)
+}
+
+/// The P2P kernel's work after the transfers, at its per-peer rate (one block does it): the
+/// residual add an all-reduce took over reads and writes the residual, and the norm it took over
+/// after that reads the residual again, with the weight for every row, and writes the normed
+/// rows. 0 for a plain all-reduce or a gather.
+pub fn p2p_epilogue_us(plan: &Plan, program: &Program, op: &Op, k: &Constants) -> f64 {
+    let Op::AllReduce { buf, residual: Some(_), norm } = *op else {
+        return 0.0;
+    };
+    let bytes = program.buffer(buf).bytes;
+    let norm_bytes = norm.map_or(0, |n| {
+        let out = program.buffer(n.out);
+        let rows = out.shape.iter().product::<usize>() / out.shape.last().copied().unwrap_or(1).max(1);
+        bytes + out.bytes + rows as u64 * plan.weight(n.weight).bytes
+    });
+    (2 * bytes + norm_bytes) as f64 / (k.p2p_gbps * 1e3)
 }
 
 /// One launch of a program, predicted.
@@ -261,20 +287,14 @@ pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constant
     let mut collectives = Vec::new();
     for (s, step) in program.steps.iter().enumerate() {
         match step.op {
-            Op::AllReduce { buf, residual, norm } => {
+            Op::AllReduce { buf, .. } => {
                 let bytes = program.buffer(buf).bytes;
-                let (nccl_us, p2p_us) = collective_time(true, bytes as f64, plan.ranks(), k);
+                let two_shot = step.p2p_collective(plan) && plan.kernel(step.launches[0].kernel).params.iter().any(|(n, v)| n == "TWO_SHOT" && *v == 1);
+                let (nccl_us, p2p_us) = collective_time(true, two_shot, bytes as f64, plan.ranks(), k);
                 // the P2P time where the plan has the kernel (its launch is costed as the
-                // collective; the residual add it took over reads and writes the residual, and the
-                // norm reads it again with the weight and writes the normed rows, at its per-peer
-                // rate); NCCL's, plus the launches that follow it (that add, that norm)
-                let norm_bytes = norm.map_or(0, |n| {
-                    let out = program.buffer(n.out);
-                    let rows = out.shape.iter().product::<usize>() / out.shape.last().copied().unwrap_or(1).max(1);
-                    bytes + out.bytes + rows as u64 * plan.weight(n.weight).bytes
-                });
-                let add_us = if residual.is_some() { (2 * bytes + norm_bytes) as f64 / (k.p2p_gbps * 1e3) } else { 0.0 };
-                let p2p_us = p2p_us.filter(|_| step.p2p_collective(plan)).map(|t| t + add_us);
+                // collective, with the add and norm it took over); NCCL's, plus the launches that
+                // follow it (that add, that norm)
+                let p2p_us = p2p_us.filter(|_| step.p2p_collective(plan)).map(|t| t + p2p_epilogue_us(plan, program, &step.op, k));
                 let (after_us, after_floor_us) = after_collective_us(plan, step, load, k).map_err(|e| format!("{} step {s} ({}): {e}", program.name, step.op.name()))?;
                 collectives.push(CollectivePerf { step: s, all_reduce: true, bytes, nccl_us, after_us, after_floor_us, p2p_us });
                 continue;
@@ -282,7 +302,7 @@ pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constant
             Op::AllGather { ref pairs } => {
                 // the pairs of one gather share its latency
                 let bytes = pairs.iter().map(|g| program.buffer(g.out).bytes).sum::<u64>();
-                let (nccl_us, p2p_us) = collective_time(false, bytes as f64, plan.ranks(), k);
+                let (nccl_us, p2p_us) = collective_time(false, false, bytes as f64, plan.ranks(), k);
                 let p2p_us = p2p_us.filter(|_| step.p2p_collective(plan));
                 let (after_us, after_floor_us) = after_collective_us(plan, step, load, k).map_err(|e| format!("{} step {s} ({}): {e}", program.name, step.op.name()))?;
                 collectives.push(CollectivePerf { step: s, all_reduce: false, bytes, nccl_us, after_us, after_floor_us, p2p_us });
@@ -453,8 +473,10 @@ fn notes(plan: &Plan) -> Vec<String> {
         "a step = sum of its launches and collectives (one CUDA graph per rank, nothing overlaps); all ranks run the same program".into(),
         "floor = what the program cannot beat as compiled: each launch's distinct bytes at full bandwidth on every SM (or its flops at full rate), no launch cost, plus the collectives (the p2p kernel where the plan has it)".into(),
         format!(
-            "collectives: NCCL for every all-reduce and all-gather (the gathered bytes); the p2p columns use the plan's one-shot P2P kernel where it has one (an all-reduce of up to 64 KiB, an all-gather of up to 64 KiB per rank; the runtime uses it where every GPU pair passes the peer probe), with (ranks - 1) = {} transfers of each rank's part; at decode an all-reduce adds its sum into the residual stream: the P2P kernel in the same launch (reading and writing the residual at its per-peer rate), NCCL with an add launch after it, counted in the collective's time",
-            plan.ranks().saturating_sub(1)
+            "collectives: NCCL for every all-reduce and all-gather (the gathered bytes); the p2p columns use the plan's P2P kernel where it has one (one-shot: an all-reduce of up to 64 KiB, an all-gather of up to 64 KiB per rank, with (ranks - 1) = {} transfers of each rank's part; two-shot: an all-reduce of up to {} KiB, two such passes over a share of 1/{} each; the runtime uses it where every GPU pair passes the peer probe); at decode an all-reduce adds its sum into the residual stream: the P2P kernel in the same launch (reading and writing the residual at its per-peer rate), NCCL with an add launch after it, counted in the collective's time",
+            plan.ranks().saturating_sub(1),
+            plan.ranks() * 64,
+            plan.ranks()
         ),
         format!(
             "routing: uniform, each expert gets Binomial(tokens, {}/{}) tokens (expected values; a real step waits for its busiest rank)",
@@ -595,16 +617,47 @@ mod tests {
     #[test]
     fn small_collectives_may_take_the_one_shot_p2p_path() {
         let k = Constants::SM120A;
-        let (nccl, p2p) = collective_time(true, 12_288.0, 8, &k);
+        let (nccl, p2p) = collective_time(true, false, 12_288.0, 8, &k);
         assert!((nccl - (25.0 + 12_288.0 / 40e3)).abs() < 1e-9);
         assert!((p2p.unwrap() - (8.0 + 7.0 * 12_288.0 / 50e3)).abs() < 1e-9);
-        assert_eq!(collective_time(true, 65_537.0, 8, &k).1, None);
-        assert!(collective_time(true, 65_536.0, 8, &k).1.is_some());
+        assert_eq!(collective_time(true, false, 65_537.0, 8, &k).1, None);
+        assert!(collective_time(true, false, 65_536.0, 8, &k).1.is_some());
         // an all-gather: each rank reads one share from each peer
-        let (nccl, p2p) = collective_time(false, 8.0 * 512.0, 8, &k);
+        let (nccl, p2p) = collective_time(false, false, 8.0 * 512.0, 8, &k);
         assert!((nccl - (25.0 + 4_096.0 / 40e3)).abs() < 1e-9);
         assert!((p2p.unwrap() - (8.0 + 7.0 * 512.0 / 50e3)).abs() < 1e-9);
-        assert!(collective_time(false, 8.0 * 65_536.0, 8, &k).1.is_some());
-        assert_eq!(collective_time(false, 8.0 * 65_537.0, 8, &k).1, None);
+        assert!(collective_time(false, false, 8.0 * 65_536.0, 8, &k).1.is_some());
+        assert_eq!(collective_time(false, false, 8.0 * 65_537.0, 8, &k).1, None);
+    }
+
+    #[test]
+    fn a_two_shot_all_reduce_is_two_passes_over_a_share() {
+        let k = Constants::SM120A;
+        // batch 8 of hidden 6144 in BF16 on 8 ranks: 98,304 B, shares of 12,288 B
+        let (_, p2p) = collective_time(true, true, 98_304.0, 8, &k);
+        assert!((p2p.unwrap() - 2.0 * (8.0 + 7.0 * 12_288.0 / 50e3)).abs() < 1e-9);
+        assert!(collective_time(true, true, 8.0 * 65_536.0, 8, &k).1.is_some());
+        assert_eq!(collective_time(true, true, 8.0 * 65_536.0 + 8.0, 8, &k).1, None);
+    }
+
+    /// What the lowering (`passes/lower/collective.rs`) relies on: under these constants the
+    /// one-shot form's transfers are the fastest up to 64 KiB, and above it, up to `ranks` x 64
+    /// KiB, the two-shot form's beat NCCL's (whether the kernel's one-block add and norm still
+    /// leave it ahead the lowering prices per collective), for every rank count the kernel serves.
+    #[test]
+    fn each_p2p_form_transfers_fastest_where_the_lowering_may_take_it() {
+        let k = Constants::SM120A;
+        for ranks in 2..=8 {
+            let max = ranks as u64 * k.p2p_max_bytes;
+            for bytes in (16 * ranks as u64..=max).step_by(16 * ranks * 97) {
+                let (nccl, one) = collective_time(true, false, bytes as f64, ranks, &k);
+                let two = collective_time(true, true, bytes as f64, ranks, &k).1.unwrap();
+                if bytes <= k.p2p_max_bytes {
+                    assert!(one.unwrap() < two && one.unwrap() < nccl, "{ranks} ranks, {bytes} B: one-shot {one:?}, two-shot {two}, NCCL {nccl}");
+                } else {
+                    assert!(one.is_none() && two < nccl, "{ranks} ranks, {bytes} B: two-shot {two}, NCCL {nccl}");
+                }
+            }
+        }
     }
 }

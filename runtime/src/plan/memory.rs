@@ -105,13 +105,16 @@ impl SplitKLayout {
     pub const PARTIAL_BYTES: u64 = Self::SLOT_BYTES - Self::PARTIALS;
 }
 
-/// Largest all-reduce the one-shot P2P kernel takes; larger ones stay on NCCL.
+/// Largest part a rank sends its peers in one P2P collective: a one-shot all-reduce's buffer, an
+/// all-gather's share, a two-shot all-reduce's share (its buffer up to `ranks` times this);
+/// larger ones stay on NCCL.
 pub const P2P_MAX_BYTES: u64 = 64 << 10;
 
-/// The per-rank region of the one-shot P2P collective (`kernel-templates/p2p_collective.ptx`):
-/// every rank's region base (u64 each), this rank's epoch (u32, padded to 16 B), a flag per rank
-/// (u32), then two slots of [`P2P_MAX_BYTES`] at a 256-byte boundary. The runtime allocates it
-/// zeroed on every GPU and writes the table; peers address it directly.
+/// The per-rank region of the P2P collective (`kernel-templates/p2p_collective.ptx`): every
+/// rank's region base (u64 each), this rank's epoch (u32, padded to 16 B), a flag per rank (u32),
+/// then two slots of `ranks` x [`P2P_MAX_BYTES`] (a two-shot all-reduce's whole buffer) at a
+/// 256-byte boundary. The runtime allocates it zeroed on every GPU and writes the table; peers
+/// address it directly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct P2pLayout {
     pub ranks: u64,
@@ -130,7 +133,12 @@ impl P2pLayout {
         (self.flags() + 4 * self.ranks).next_multiple_of(256)
     }
 
+    /// Bytes of each slot.
+    pub fn slot(&self) -> u64 {
+        self.ranks * P2P_MAX_BYTES
+    }
+
     pub fn bytes(&self) -> u64 {
-        self.slots() + 2 * P2P_MAX_BYTES
+        self.slots() + 2 * self.slot()
     }
 }

@@ -1,6 +1,11 @@
-//! The one-shot P2P collective (`p2p_collective.ptx`) of every all-reduce and all-gather (of one
-//! or two buffers) whose per-rank part is at most `P2P_MAX_BYTES`: one block per rank sums (or places side by side)
-//! the ranks' buffers over peer memory. The runtime replays it instead of NCCL only when every
+//! The P2P collective (`p2p_collective.ptx`) of every all-reduce and all-gather (of one or two
+//! buffers) whose per-rank part is at most `P2P_MAX_BYTES`: one block per rank sums (or places
+//! side by side) the ranks' buffers over peer memory. An all-reduce of up to `ranks` such parts
+//! may take the two-shot form (each rank sums its share of every rank's buffer, then every rank
+//! copies every share): the performance model prices its transfers below NCCL's at every size it
+//! takes (and the one-shot form's below `P2P_MAX_BYTES`: one latency, not two), but the residual
+//! add and norm the kernel does for a decode all-reduce run in its one block, so lowering takes it
+//! only where the model prices the whole kernel below NCCL and the launches after it. The runtime replays it instead of NCCL only when every
 //! GPU pair passed the peer write-and-verify probe; larger collectives and single-rank plans keep
 //! NCCL (or nothing). An all-reduce that took over the next rmsnorm's residual add (decode,
 //! `AllReduce { residual }`) has the P2P kernel do the add too, and an `add` launch after it that
@@ -10,6 +15,7 @@
 
 use super::{float_flag, numel, of_grid, width, Cx, Instance};
 use crate::kernels::{P2pCollectiveArgs, P2pCollectiveParams, Ptr};
+use kiln_runtime::perf::{collective_time, p2p_epilogue_us};
 use kiln_runtime::plan::{BufId, Op, P2pLayout, P2P_MAX_BYTES};
 
 /// Threads of the block: enough loads in flight for 64 KiB from each of 7 peers.
@@ -63,10 +69,24 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         _ => None,
     };
     let rows_fit = norm_shape.is_none_or(|(h, ..)| h > 0 && numel(p, bufs[0]) % h == 0);
-    if !(2..=8).contains(&ranks) || bytes > P2P_MAX_BYTES || !aligned || !same || !rows_fit {
+    let gather = matches!(op, Op::AllGather { .. });
+    // the two-shot form: RANKS shares of whole 16-byte chunks, each at most P2P_MAX_BYTES, where
+    // the model prices it (with its add and norm) below the NCCL path
+    let two_shot = !gather && bytes > P2P_MAX_BYTES && bytes <= ranks as u64 * P2P_MAX_BYTES && bytes % (16 * ranks as u64) == 0 && {
+        let k = &cx.consts;
+        let (nccl_us, p2p_us) = collective_time(true, true, bytes as f64, ranks, k);
+        let mut nccl_path = nccl_us;
+        if let Op::AllReduce { buf, residual: Some(r), .. } = *op {
+            nccl_path += super::norm::residual_add_us(cx, r, buf);
+        }
+        if let Some(n) = &norm {
+            nccl_path += super::norm::predicted_us(cx, n)?;
+        }
+        p2p_us.is_some_and(|t| t + p2p_epilogue_us(cx.plan, p, op, k) < nccl_path)
+    };
+    if !(2..=8).contains(&ranks) || (bytes > P2P_MAX_BYTES && !two_shot) || !aligned || !same || !rows_fit {
         return Ok(after);
     }
-    let gather = matches!(op, Op::AllGather { .. });
     let layout = P2pLayout { ranks: ranks as u64 };
     let params = P2pCollectiveParams {
         arch: cx.arch,
@@ -76,6 +96,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         part: sizes[0] as u32,
         row: rows[0] as u32,
         row2: *rows.last().unwrap_or(&rows[0]) as u32,
+        two_shot: u32::from(two_shot),
         // a gather copies bytes of any type
         bf16: if gather { 0 } else { float_flag(p.buffer(bufs[0]).dtype, "an all-reduced buffer")? },
         add: u32::from(residual.is_some()),
@@ -83,7 +104,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         h: norm_shape.map_or(1, |n| n.0 as u32),
         w_bf16: norm_shape.map_or(0, |n| n.1),
         out_bf16: norm_shape.map_or(0, |n| n.2),
-        slot: P2P_MAX_BYTES as u32,
+        slot: layout.slot() as u32,
         flags: layout.flags() as u32,
         slots: layout.slots() as u32,
         threads: THREADS,

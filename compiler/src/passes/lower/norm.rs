@@ -24,6 +24,18 @@ fn column_blocks(rows: usize, h: usize, x_size: usize, w_size: usize, out_size: 
     (1..=per_thread).filter(|cb| cb.is_power_of_two() || *cb == per_thread).map(|cb| (cb as u32, cost(cb))).fold((1, f64::MAX), |best, c| if c.1 < best.1 { c } else { best })
 }
 
+/// Blocks of the `add` launch over `n` values.
+fn add_grid(n: usize) -> u32 {
+    (n as u32).div_ceil(THREADS).clamp(1, ELEMENTWISE_MAX_GRID)
+}
+
+/// The predicted µs of [`residual_add`] of `x` into `residual`: both read, the residual written.
+pub(super) fn residual_add_us(cx: &Cx, residual: BufId, x: BufId) -> f64 {
+    let p = cx.program;
+    let bytes = 2 * p.buffer(residual).bytes + p.buffer(x).bytes;
+    candidate_us(0.0, bytes as f64, 0.0, add_grid(numel(p, residual)) as f64, &cx.consts)
+}
+
 /// The predicted µs of a norm without a residual (the one [`instances`] makes: its cheapest
 /// column split).
 pub(super) fn predicted_us(cx: &Cx, op: &Op) -> Result<f64, String> {
@@ -99,7 +111,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
 pub(super) fn residual_add(cx: &Cx, residual: BufId, x: BufId) -> Result<Instance, String> {
     let p = cx.program;
     let n = numel(p, residual);
-    let grid = (n as u32).div_ceil(THREADS).clamp(1, ELEMENTWISE_MAX_GRID);
+    let grid = add_grid(n);
     let res_bf16 = float_flag(p.buffer(residual).dtype, "the residual")?;
     let x_bf16 = float_flag(p.buffer(x).dtype, "the input")?;
     let add = AddParams { arch: cx.arch, n: n as u32, grid, threads: THREADS, a_bf16: res_bf16, b_bf16: x_bf16, out_bf16: res_bf16 };
