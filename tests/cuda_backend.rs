@@ -162,8 +162,9 @@ fn p2p_collectives_only_where_the_peers_pass_the_probe() {
 
 /// A decode batch of 384 tokens of hidden 96 at TP 2 all-reduces 73,728 B (BF16) a step: more
 /// than the one-shot form's 64 KiB, so the P2P kernel's two-shot form (each GPU sums its half,
-/// then copies its peer's half), with the residual add and the norm, and plain. On the double it
-/// must give NCCL's bits (both sum in rank order in f32).
+/// then copies its peer's half), followed on the P2P path too by the residual add and norm
+/// launches it leaves to them. On the double it must give NCCL's bits (both sum in rank order in
+/// f32), and the emulator backend's (which runs the same kernel and launches after it).
 #[test]
 fn two_shot_p2p_all_reduces_give_nccl_bits() {
     let dir = scratch("two-shot");
@@ -172,6 +173,8 @@ fn two_shot_p2p_all_reduces_give_nccl_bits() {
     let plan = kiln_runtime::plan::read_plan(&art).unwrap();
     let two_shot = plan.kernels.iter().filter(|k| k.template == "p2p_collective" && k.params.contains(&("TWO_SHOT".to_string(), 1))).count();
     assert!(two_shot >= 1, "no two-shot P2P kernel in the batch-384 plan");
+    let leaves = plan.programs.iter().flat_map(|p| &p.steps).filter(|s| !s.after_p2p(&plan).is_empty()).count();
+    assert!(leaves >= 1, "no P2P collective of the batch-384 plan leaves its add and norm to their launches");
     let ids = "5,42,7,300,12,9";
     let mut outputs = Vec::new();
     for env in [vec![], vec![("KILN_P2P", "off")]] {
@@ -184,6 +187,8 @@ fn two_shot_p2p_all_reduces_give_nccl_bits() {
         outputs.push(std::fs::read(&out).unwrap());
     }
     assert_same("the two-shot P2P kernel against NCCL", &outputs[0], &outputs[1]);
+    let (emu, _) = logits(&art, "emu", ids, true, &dir.join("emu.safetensors"));
+    assert_same("the two-shot P2P kernel against the emulator backend", &outputs[0], &emu);
 }
 
 /// `KILN_UPLOAD_STAGING=cached` uploads the weights through cached instead of write-combined

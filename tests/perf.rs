@@ -412,7 +412,7 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
     let picks: [Pick; 20] = [
         ("a merged launch: the router's gate product with its selection as the tail, beside the shared expert's gate/up", "decode_1", |pl, l| plan_template(pl, l) == "merged" && pl.kernel(l.kernel).parts.iter().any(|q| pl.kernel(q.kernel).template == "router"), 1, 300),
         ("rmsnorm over column blocks (a group's input norm)", "decode_4", |pl, l| plan_template(pl, l) == "rmsnorm" && param(pl, l, "CB") > 1, 4, 300),
-        ("the residual add and the norm an all-reduce launches after NCCL", "decode_16", |pl, l| plan_template(pl, l) == "add", 16, 300),
+        ("the residual add and the norm an all-reduce launches after NCCL", "decode_64", |pl, l| plan_template(pl, l) == "add", 64, 300),
         ("split-K BF16 GEMM", "decode_32", |pl, l| plan_template(pl, l) == "linear_bf16_gemm" && param(pl, l, "SPLIT") == 1 && param(pl, l, "SEGS") == 1, 32, 300),
         ("tiled BF16 GEMM with K over blocks at batch 64", "decode_64", |pl, l| plan_template(pl, l) == "linear_bf16_gemm" && param(pl, l, "SPLIT") == 0 && param(pl, l, "KS") > 1 && param(pl, l, "SEGS") == 1, 64, 300),
         ("2 BF16 linears in one tiled launch, K over blocks at batch 64", "decode_64", |pl, l| plan_template(pl, l) == "linear_bf16_gemm" && param(pl, l, "SPLIT") == 0 && param(pl, l, "SEGS") == 2, 64, 300),

@@ -137,6 +137,8 @@ impl EmuBackend {
                         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a rank's thread panicked".into()))).collect()
                     });
                     results.into_iter().collect::<Result<Vec<()>, String>>().map_err(at)?;
+                    // the add and norm the kernel left to their launches
+                    launch_on_every_rank(&mut self.devices, plan, program, &self.modules, step.after_p2p(plan)).map_err(at)?;
                 }
                 Op::AllReduce { buf, .. } => {
                     all_reduce(&mut self.devices, program, buf);

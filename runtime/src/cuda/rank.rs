@@ -350,8 +350,8 @@ impl RankDevice {
     fn record(&self, plan: &Plan, p: &Program) -> Result<(), RuntimeError> {
         for step in &p.steps {
             match step.op {
-                // the P2P kernel alone (the launches after it are the NCCL path's)
-                _ if self.uses_p2p(plan, step) => self.launch(plan, p, &step.launches[0])?,
+                // the P2P kernel, then the add and norm launches only where it left them to them
+                _ if self.uses_p2p(plan, step) => std::iter::once(&step.launches[0]).chain(step.after_p2p(plan)).try_for_each(|l| self.launch(plan, p, l))?,
                 Op::AllReduce { .. } | Op::AllGather { .. } => {
                     self.collective(plan, p, &step.op)?;
                     step.after_collective(plan).iter().try_for_each(|l| self.launch(plan, p, l))?

@@ -219,8 +219,10 @@ pub struct CollectivePerf {
     /// ([`launch_floor_us`]).
     pub after_us: f64,
     pub after_floor_us: f64,
-    /// The one-shot P2P kernel's time, where the plan has it.
+    /// The P2P kernel's time, where the plan has it (with the add and norm it does itself).
     pub p2p_us: Option<f64>,
+    /// Whether the P2P path runs the launches after the collective too (`Step::after_p2p`).
+    pub p2p_after: bool,
 }
 
 impl CollectivePerf {
@@ -232,6 +234,7 @@ impl CollectivePerf {
     /// The path taken (P2P where asked and the plan has the kernel): its time and its floor.
     fn path_us(&self, p2p: bool) -> (f64, f64) {
         match (p2p, self.p2p_us) {
+            (true, Some(t)) if self.p2p_after => (t + self.after_us, t + self.after_floor_us),
             (true, Some(t)) => (t, t),
             _ => (self.nccl_path_us(), self.nccl_us + self.after_floor_us),
         }
@@ -292,11 +295,13 @@ pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constant
                 let two_shot = step.p2p_collective(plan) && plan.kernel(step.launches[0].kernel).params.iter().any(|(n, v)| n == "TWO_SHOT" && *v == 1);
                 let (nccl_us, p2p_us) = collective_time(true, two_shot, bytes as f64, plan.ranks(), k);
                 // the P2P time where the plan has the kernel (its launch is costed as the
-                // collective, with the add and norm it took over); NCCL's, plus the launches that
-                // follow it (that add, that norm)
-                let p2p_us = p2p_us.filter(|_| step.p2p_collective(plan)).map(|t| t + p2p_epilogue_us(plan, program, &step.op, k));
+                // collective, with the add and norm it took over, or followed by their launches);
+                // NCCL's, plus the launches that follow it (that add, that norm)
+                let p2p_after = !step.after_p2p(plan).is_empty();
+                let epilogue = if p2p_after { 0.0 } else { p2p_epilogue_us(plan, program, &step.op, k) };
+                let p2p_us = p2p_us.filter(|_| step.p2p_collective(plan)).map(|t| t + epilogue);
                 let (after_us, after_floor_us) = after_collective_us(plan, step, load, k).map_err(|e| format!("{} step {s} ({}): {e}", program.name, step.op.name()))?;
-                collectives.push(CollectivePerf { step: s, all_reduce: true, bytes, nccl_us, after_us, after_floor_us, p2p_us });
+                collectives.push(CollectivePerf { step: s, all_reduce: true, bytes, nccl_us, after_us, after_floor_us, p2p_us, p2p_after });
                 continue;
             }
             Op::AllGather { ref pairs } => {
@@ -305,7 +310,7 @@ pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constant
                 let (nccl_us, p2p_us) = collective_time(false, false, bytes as f64, plan.ranks(), k);
                 let p2p_us = p2p_us.filter(|_| step.p2p_collective(plan));
                 let (after_us, after_floor_us) = after_collective_us(plan, step, load, k).map_err(|e| format!("{} step {s} ({}): {e}", program.name, step.op.name()))?;
-                collectives.push(CollectivePerf { step: s, all_reduce: false, bytes, nccl_us, after_us, after_floor_us, p2p_us });
+                collectives.push(CollectivePerf { step: s, all_reduce: false, bytes, nccl_us, after_us, after_floor_us, p2p_us, p2p_after: false });
                 continue;
             }
             _ => {}

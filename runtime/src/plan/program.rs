@@ -106,6 +106,16 @@ impl Step {
             && self.launches.first().is_some_and(|l| plan.kernels.get(l.kernel.0 as usize).is_some_and(|k| k.family == KernelFamily::Collective))
     }
 
+    /// The launches a collective's P2P path runs after the P2P kernel: the NCCL path's too where
+    /// the kernel leaves the residual add (and the norm) to them (its ADD 0: the model priced
+    /// its one block's add and norm above their launches), else none.
+    pub fn after_p2p(&self, plan: &super::Plan) -> &[Launch] {
+        if !self.p2p_collective(plan) || plan.kernel(self.launches[0].kernel).params.iter().any(|(n, v)| n == "ADD" && *v == 1) {
+            return &[];
+        }
+        self.after_collective(plan)
+    }
+
     /// The launches a collective's NCCL path runs after NCCL (every launch but the P2P kernel).
     pub fn after_collective(&self, plan: &super::Plan) -> &[Launch] {
         if self.p2p_collective(plan) {

@@ -3,15 +3,17 @@
 //! side by side) the ranks' buffers over peer memory. An all-reduce of up to `ranks` such parts
 //! may take the two-shot form (each rank sums its share of every rank's buffer, then every rank
 //! copies every share): the performance model prices its transfers below NCCL's at every size it
-//! takes (and the one-shot form's below `P2P_MAX_BYTES`: one latency, not two), but the residual
-//! add and norm the kernel does for a decode all-reduce run in its one block, so lowering takes it
-//! only where the model prices the whole kernel below NCCL and the launches after it. The runtime replays it instead of NCCL only when every
-//! GPU pair passed the peer write-and-verify probe; larger collectives and single-rank plans keep
-//! NCCL (or nothing). An all-reduce that took over the next rmsnorm's residual add (decode,
-//! `AllReduce { residual }`) has the P2P kernel do the add too, and an `add` launch after it that
-//! only the NCCL path runs (`Step::after_collective`); one that took over the norm after that
-//! (`AllReduce { norm }`) has the kernel normalise the residual too, and the norm's launch after
-//! the add on the NCCL path.
+//! takes (and the one-shot form's below `P2P_MAX_BYTES`: one latency, not two); lowering takes it
+//! where the model prices it, with the add and norm below, under NCCL and the launches after it.
+//! The runtime replays the kernel instead of NCCL only when every GPU pair passed the peer
+//! write-and-verify probe; larger collectives and single-rank plans keep NCCL (or nothing).
+//!
+//! An all-reduce that took over the next rmsnorm's residual add (decode, `AllReduce { residual }`)
+//! is followed by an `add` launch, and one that took over the norm after that (`AllReduce { norm
+//! }`) by the norm's launch: the NCCL path's (`Step::after_collective`). The P2P kernel adds and
+//! normalises itself (ADD, NORM) where the model prices that, in its one block at the rate it
+//! reads a peer, below those launches (small batches); else the P2P path runs the launches after
+//! it too (`Step::after_p2p`).
 
 use super::{float_flag, numel, of_grid, width, Cx, Instance};
 use crate::kernels::{P2pCollectiveArgs, P2pCollectiveParams, Ptr};
@@ -70,23 +72,25 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     };
     let rows_fit = norm_shape.is_none_or(|(h, ..)| h > 0 && numel(p, bufs[0]) % h == 0);
     let gather = matches!(op, Op::AllGather { .. });
-    // the two-shot form: RANKS shares of whole 16-byte chunks, each at most P2P_MAX_BYTES, where
-    // the model prices it (with its add and norm) below the NCCL path
-    let two_shot = !gather && bytes > P2P_MAX_BYTES && bytes <= ranks as u64 * P2P_MAX_BYTES && bytes % (16 * ranks as u64) == 0 && {
-        let k = &cx.consts;
-        let (nccl_us, p2p_us) = collective_time(true, true, bytes as f64, ranks, k);
-        let mut nccl_path = nccl_us;
-        if let Op::AllReduce { buf, residual: Some(r), .. } = *op {
-            nccl_path += super::norm::residual_add_us(cx, r, buf);
-        }
-        if let Some(n) = &norm {
-            nccl_path += super::norm::predicted_us(cx, n)?;
-        }
-        p2p_us.is_some_and(|t| t + p2p_epilogue_us(cx.plan, p, op, k) < nccl_path)
+    let k = &cx.consts;
+    // the launches after the collective (the residual add, the norm), as the model prices them
+    let after_us = match *op {
+        Op::AllReduce { buf, residual: Some(r), .. } => super::norm::residual_add_us(cx, r, buf) + norm.as_ref().map_or(Ok(0.0), |n| super::norm::predicted_us(cx, n))?,
+        _ => 0.0,
     };
-    if !(2..=8).contains(&ranks) || (bytes > P2P_MAX_BYTES && !two_shot) || !aligned || !same || !rows_fit {
+    // the kernel adds (and normalises) itself where its one block does that in less time
+    let fuse = residual.is_some() && same && rows_fit && p2p_epilogue_us(cx.plan, p, op, k) < after_us;
+    let epilogue_us = if fuse { p2p_epilogue_us(cx.plan, p, op, k) } else { after_us };
+    // the two-shot form: RANKS shares of whole 16-byte chunks, each at most P2P_MAX_BYTES, where
+    // the model prices it below the NCCL path
+    let two_shot = !gather && bytes > P2P_MAX_BYTES && bytes <= ranks as u64 * P2P_MAX_BYTES && bytes % (16 * ranks as u64) == 0 && {
+        let (nccl_us, p2p_us) = collective_time(true, true, bytes as f64, ranks, k);
+        p2p_us.is_some_and(|t| t + epilogue_us < nccl_us + after_us)
+    };
+    if !(2..=8).contains(&ranks) || (bytes > P2P_MAX_BYTES && !two_shot) || !aligned {
         return Ok(after);
     }
+    let norm_shape = norm_shape.filter(|_| fuse);
     let layout = P2pLayout { ranks: ranks as u64 };
     let params = P2pCollectiveParams {
         arch: cx.arch,
@@ -99,7 +103,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         two_shot: u32::from(two_shot),
         // a gather copies bytes of any type
         bf16: if gather { 0 } else { float_flag(p.buffer(bufs[0]).dtype, "an all-reduced buffer")? },
-        add: u32::from(residual.is_some()),
+        add: u32::from(fuse),
         norm: u32::from(norm_shape.is_some()),
         h: norm_shape.map_or(1, |n| n.0 as u32),
         w_bf16: norm_shape.map_or(0, |n| n.1),
@@ -111,7 +115,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         spins: P2P_SPINS,
     };
     let second = |v: &[BufId]| Ptr::Buffer(*v.last().unwrap_or(&v[0]));
-    let res = residual.unwrap_or(bufs[0]);
+    let res = residual.filter(|_| fuse).unwrap_or(bufs[0]);
     let (weight, normed, eps) = match norm_shape {
         Some((.., w, out, eps)) => (Ptr::Weight(w), Ptr::Buffer(out), eps),
         None => (Ptr::Buffer(bufs[0]), Ptr::Buffer(bufs[0]), 0.0),
