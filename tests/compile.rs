@@ -643,9 +643,8 @@ fn decode_all_reduces_take_over_the_residual_add_and_norm_and_the_p2p_kernel_doe
             assert_eq!(p.steps[s].after_p2p(&plan).len(), if p2p && !fused { 2 } else { 0 }, "{} step {s}", p.name);
             if p2p {
                 let k = plan.kernel(p.steps[s].launches[0].kernel);
-                let param = |name: &str| k.params.iter().find(|(n, _)| n == name).map(|(_, v)| *v);
-                let (add, norm) = (u64::from(fused), u64::from(fused));
-                assert_eq!((param("ADD"), param("NORM"), param("TWO_SHOT")), (Some(add), Some(norm), Some(u64::from(!one_shot))), "{}: {}", p.name, k.name);
+                let fused = Some(u64::from(fused));
+                assert_eq!((k.param("ADD"), k.param("NORM"), k.param("TWO_SHOT")), (fused, fused, Some(u64::from(!one_shot))), "{}: {}", p.name, k.name);
             }
         }
         // no norm is left a step of its own at decode (q_a's and the first layer's input norm

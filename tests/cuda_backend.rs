@@ -171,7 +171,7 @@ fn two_shot_p2p_all_reduces_give_nccl_bits() {
     let art = dir.join("tp2");
     compile(&golden_ckpt(), 2, &["--prefill-chunk", "32", "--decode-batches", "384", "--max-context", "64"], &art);
     let plan = kiln_runtime::plan::read_plan(&art).unwrap();
-    let two_shot = plan.kernels.iter().filter(|k| k.template == "p2p_collective" && k.params.contains(&("TWO_SHOT".to_string(), 1))).count();
+    let two_shot = plan.kernels.iter().filter(|k| k.template == "p2p_collective" && k.param("TWO_SHOT") == Some(1)).count();
     assert!(two_shot >= 1, "no two-shot P2P kernel in the batch-384 plan");
     let leaves = plan.programs.iter().flat_map(|p| &p.steps).filter(|s| !s.after_p2p(&plan).is_empty()).count();
     assert!(leaves >= 1, "no P2P collective of the batch-384 plan leaves its add and norm to their launches");

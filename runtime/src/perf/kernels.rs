@@ -121,7 +121,7 @@ struct Params<'a>(&'a KernelInfo);
 
 impl Params<'_> {
     fn v(&self, name: &str) -> Result<f64, String> {
-        self.0.params.iter().find(|(n, _)| n == name).map(|(_, v)| *v as f64).ok_or_else(|| format!("{} has no parameter {name}", self.0.name))
+        self.0.param(name).map(|v| v as f64).ok_or_else(|| format!("{} has no parameter {name}", self.0.name))
     }
 
     /// A parameter newer than some plans of this format: `default` where the kernel lacks it.

@@ -292,7 +292,7 @@ pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constant
         match step.op {
             Op::AllReduce { buf, .. } => {
                 let bytes = program.buffer(buf).bytes;
-                let two_shot = step.p2p_collective(plan) && plan.kernel(step.launches[0].kernel).params.iter().any(|(n, v)| n == "TWO_SHOT" && *v == 1);
+                let two_shot = step.p2p_collective(plan) && plan.kernel(step.launches[0].kernel).param("TWO_SHOT") == Some(1);
                 let (nccl_us, p2p_us) = collective_time(true, two_shot, bytes as f64, plan.ranks(), k);
                 // the P2P time where the plan has the kernel (its launch is costed as the
                 // collective, with the add and norm it took over, or followed by their launches);

@@ -30,6 +30,13 @@ pub struct KernelInfo {
     pub parts: Vec<KernelPart>,
 }
 
+impl KernelInfo {
+    /// The value of shape parameter `name`, None where the template has none of that name.
+    pub fn param(&self, name: &str) -> Option<u64> {
+        self.params.iter().find(|(n, _)| n == name).map(|(_, v)| *v)
+    }
+}
+
 /// One kernel of a merged kernel (see [`KernelInfo::parts`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KernelPart {

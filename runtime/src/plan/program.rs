@@ -110,7 +110,7 @@ impl Step {
     /// the kernel leaves the residual add (and the norm) to them (its ADD 0: the model priced
     /// its one block's add and norm above their launches), else none.
     pub fn after_p2p(&self, plan: &super::Plan) -> &[Launch] {
-        if !self.p2p_collective(plan) || plan.kernel(self.launches[0].kernel).params.iter().any(|(n, v)| n == "ADD" && *v == 1) {
+        if !self.p2p_collective(plan) || plan.kernel(self.launches[0].kernel).param("ADD") == Some(1) {
             return &[];
         }
         self.after_collective(plan)

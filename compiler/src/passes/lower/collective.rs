@@ -79,8 +79,9 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         _ => 0.0,
     };
     // the kernel adds (and normalises) itself where its one block does that in less time
-    let fuse = residual.is_some() && same && rows_fit && p2p_epilogue_us(cx.plan, p, op, k) < after_us;
-    let epilogue_us = if fuse { p2p_epilogue_us(cx.plan, p, op, k) } else { after_us };
+    let in_kernel_us = p2p_epilogue_us(cx.plan, p, op, k);
+    let fuse = residual.is_some() && same && rows_fit && in_kernel_us < after_us;
+    let epilogue_us = if fuse { in_kernel_us } else { after_us };
     // the two-shot form: RANKS shares of whole 16-byte chunks, each at most P2P_MAX_BYTES, where
     // the model prices it below the NCCL path
     let two_shot = !gather && bytes > P2P_MAX_BYTES && bytes <= ranks as u64 * P2P_MAX_BYTES && bytes % (16 * ranks as u64) == 0 && {
