@@ -281,6 +281,7 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
             tokens: c.tokens as u32,
             splits: c.splits as u32,
             rpw: if mode == 2 { rpw as u32 } else { 1 },
+            tg: c.tokens as u32,
             dpl,
             threads: if mode == 1 { 32 } else { 256 },
             ds,
@@ -372,9 +373,26 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
             coop_out = Some((*read, *warps, floats(&gm.read(bo), c.out_bf16)));
             gm.write(bpa, 0, &partials);
         }
+        // the output launch in token groups (grid y; a ragged last group where 3 does not divide
+        // the batch): the same bits as one group, W_UV read once per group
+        let mut grouped = Vec::new();
+        for tg in [1usize, 3].into_iter().filter(|&tg| tg < c.tokens) {
+            gm.write(bo, 0, &vec![0xFF; c.tokens * g.heads * g.v * osize]);
+            let before = gm.bytes_loaded(bw);
+            let h = MlaSplitParams { tg: tg as u32, ..helper(2, 4, 0) };
+            let m = Module::parse(&h.render().unwrap(), "mla_split.ptx").unwrap();
+            let grid = [(g.heads * g.v / (8 * rpw)) as u32, c.tokens.div_ceil(tg) as u32, 1];
+            launch(&m, MlaSplitParams::ENTRY, grid, [h.threads, 1, 1], h.dynamic_smem().unwrap(), &hargs, &mut gm).unwrap();
+            assert_eq!(gm.bytes_loaded(bw) - before, w_uv * c.tokens.div_ceil(tg) as u64, "the output launch in groups of {tg} tokens reads W_UV once per group");
+            grouped.push((tg, gm.read(bo)));
+        }
+        gm.write(bo, 0, &vec![0xFF; c.tokens * g.heads * g.v * osize]);
         run_helper(2, 4, 0, [(g.heads * g.v / (8 * rpw)) as u32, 1, 1], &mut gm);
+        for (tg, out) in &grouped {
+            assert!(*out == gm.read(bo), "the output launch in groups of {tg} tokens differs from one group of {}", c.tokens);
+        }
         // kv_b is read once per step (W_UK by the absorb launch, W_UV by the output launch)
-        let w_uv_runs = 2 * combined.len() as u64 + coop_out.is_some() as u64;
+        let w_uv_runs = 2 * combined.len() as u64 + coop_out.is_some() as u64 + grouped.iter().map(|(tg, _)| c.tokens.div_ceil(*tg) as u64).sum::<u64>();
         assert_eq!(gm.bytes_loaded(bw) - w_uv * w_uv_runs, kv_b_bytes.len() as u64, "kv_b bytes read");
         stats
     };
@@ -766,6 +784,8 @@ fn glm5_and_tiny_instances_assemble_for_sm_120a() {
                 tokens,
                 splits,
                 rpw: if mode == 2 { rpw } else { 1 },
+                // batch 64's output launch in groups of 16 tokens (the lowering's choice)
+                tg: if mode == 2 && tokens == 64 { 16 } else { tokens },
                 // the combine at batch 1 takes one latent dim per lane (128 blocks)
                 dpl: if mode == 1 && tokens == 1 { 1 } else { 4 },
                 threads: if mode == 1 { 32 } else { 256 },

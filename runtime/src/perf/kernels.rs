@@ -423,10 +423,10 @@ fn mla_attention(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<()
 
 /// The other three launches of split-KV decode attention (all tokens, padding too). MODE 0
 /// (absorb): W_UK once, each block the q_nope rows of its head for every token; MODE 1
-/// (combine): every split's state once; MODE 2 (output): W_UV once, each block its head's
-/// context of every token; MODE 3 (both): W_UV and every split's context once, (m, l) once per
-/// slice block, the slices' f32 partial sums written and read once (the head's last block), a
-/// counter atomic per block.
+/// (combine): every split's state once; MODE 2 (output): W_UV once per token group (grid y),
+/// each block its head's context of every token of its group; MODE 3 (both): W_UV and every
+/// split's context once, (m, l) once per slice block, the slices' f32 partial sums written and
+/// read once (the head's last block), a counter atomic per block.
 fn mla_split(p: &Params, l: &Launch, c: &mut Cost) -> Result<(), String> {
     let (heads, nope, v, latent) = (p.v("HEADS")?, p.v("NOPE")?, p.v("V")?, p.v("LATENT")?);
     let (tokens, splits, mode) = (p.v("TOKENS")?, p.v("SPLITS")?, p.v("MODE")?);
@@ -457,7 +457,7 @@ fn mla_split(p: &Params, l: &Launch, c: &mut Cost) -> Result<(), String> {
             c.flops.fp32 += 2.0 * tokens * heads * (splits + v) * latent;
         }
         _ => {
-            c.read(Class::Weights, heads * v * latent * 2.0, 1.0);
+            c.read(Class::Weights, heads * v * latent * 2.0, l.grid[1] as f64);
             c.read(Class::Activations, tokens * heads * latent * 4.0, per_head);
             c.write(tokens * heads * v * p.size("OUT_BF16")?);
             c.flops.fp32 += 2.0 * tokens * heads * v * latent;

@@ -109,18 +109,22 @@ fn coop_warps(latent: usize, hg: usize, nl: usize) -> Option<usize> {
     (1..=8).rev().find(|&w| latent % (32 * w) == 0 && matches!(latent / w, 32 | 64) && 2 * w * 512 <= hg * nl * 512)
 }
 
-/// W_UV rows per warp of the output launch (`heads * v / (8 * rows)` blocks), as the byte model
-/// prefers ([`candidate_us`]): every block reads its rows of W_UV once and each token's context of
-/// its head once, so more rows per warp re-read the contexts less but leave SMs idle (batch 1:
-/// 1 row, 256 blocks; batch 64: 2 rows, 128 blocks, where 4 rows left 124 SMs idle). Ties: more
-/// rows.
-fn rows_per_warp(tokens: usize, heads: usize, v: usize, latent: usize, out_size: usize, k: &Constants) -> (usize, f64) {
-    let cost = |r: usize| {
-        let (blocks, per_head) = (heads * v / (8 * r), v / (8 * r));
+/// W_UV rows per warp and tokens per block of the output launch (`heads * v / (8 * rows)` x
+/// `ceil(tokens / group)` blocks), as the byte model prefers ([`candidate_us`]): every block reads
+/// its rows of W_UV once and each of its tokens' context of its head once, so more rows per warp
+/// re-read the contexts less and smaller token groups re-read W_UV more, while either may leave
+/// SMs idle (batch 1: 1 row, 256 blocks; batch 64: 4 rows in groups of 16 tokens, 256 blocks,
+/// where one group of 64 with 2 rows gave 128 blocks, each reading all 64 contexts of its head).
+/// Ties: more rows, larger groups.
+fn output_shape(tokens: usize, heads: usize, v: usize, latent: usize, out_size: usize, k: &Constants) -> ((usize, usize), f64) {
+    let cost = |(r, tg): (usize, usize)| {
+        let (groups, per_head) = (tokens.div_ceil(tg), v / (8 * r));
         let ctx = tokens * heads * latent * 4 * per_head + tokens * heads * v * out_size;
-        candidate_us((heads * v * latent * 2) as f64, ctx as f64, (2 * tokens * heads * v * latent) as f64, blocks as f64, k)
+        candidate_us((heads * v * latent * 2 * groups) as f64, ctx as f64, (2 * tokens * heads * v * latent) as f64, (heads * per_head * groups) as f64, k)
     };
-    [4usize, 2, 1].into_iter().filter(|r| v % (8 * r) == 0).map(|r| (r, cost(r))).fold((1, f64::MAX), |best, c| if c.1 < best.1 { c } else { best })
+    let groups = [tokens, 32, 16, 8].into_iter().filter(|&tg| tg <= tokens);
+    let shapes = [4usize, 2, 1].into_iter().filter(|r| v % (8 * r) == 0).flat_map(|r| groups.clone().map(move |tg| (r, tg)));
+    shapes.map(|s| (s, cost(s))).fold(((1, tokens), f64::MAX), |best, c| if c.1 < best.1 { c } else { best })
 }
 
 /// The combine's predicted µs (`mla_split` MODE 1 with `dpl` latent dims per lane): every split's
@@ -283,6 +287,8 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     // the combine's latent dims per lane: the most (4) whose blocks still cover the SMs, else 1
     let sms = cx.consts.sms as usize;
     let dpl = [4usize, 2].into_iter().find(|d| heads * latent.div_ceil(32 * d) * tokens >= sms).unwrap_or(1);
+    let out_size = if out_bf16 == 1 { 2 } else { 4 };
+    let ((rpw, tg), output_us) = output_shape(tokens, heads, v, latent, out_size, &cx.consts);
     let helper = |mode: u32, rpw: usize, ds: usize| MlaSplitParams {
         arch: cx.arch,
         heads: heads as u32,
@@ -294,6 +300,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         tokens: tokens as u32,
         splits: n_splits as u32,
         rpw: rpw as u32,
+        tg: if mode == 2 { tg as u32 } else { tokens as u32 },
         dpl: if mode == 1 { dpl as u32 } else { 4 },
         threads: if mode == 1 { 32 } else { THREADS },
         ds: ds as u32,
@@ -304,8 +311,6 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     };
     let split_args = |splitk: Ptr| MlaSplitArgs { q: Ptr::Buffer(q), kv_b: Ptr::Weight(kv_b), absorbed: Ptr::Buffer(absorbed), partials: Ptr::Buffer(partials), out: Ptr::Buffer(out), splitk }.launch_args();
     let args = split_args(Ptr::Buffer(out));
-    let out_size = if out_bf16 == 1 { 2 } else { 4 };
-    let (rpw, output_us) = rows_per_warp(tokens, heads, v, latent, out_size, &cx.consts);
     let absorb = helper(0, 1, 0);
     fits(absorb.dynamic_smem()? as usize, cx.smem_limit, "the MLA absorb launch")?;
     let mut launches = vec![of_grid(&absorb, [heads as u32, (latent / 32) as u32, 1], THREADS, args.clone()), attention];
@@ -318,7 +323,29 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     } else {
         let (combine, output) = (helper(1, 1, 0), helper(2, rpw, 0));
         launches.push(of_grid(&combine, [(heads * latent.div_ceil(32 * dpl)) as u32, tokens as u32, 1], 32, args.clone()));
-        launches.push(of_grid(&output, [(heads * v / (8 * rpw)) as u32, 1, 1], THREADS, args));
+        launches.push(of_grid(&output, [(heads * v / (8 * rpw)) as u32, tokens.div_ceil(tg) as u32, 1], THREADS, args));
     }
     Ok(launches)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::output_shape;
+    use kiln_runtime::perf::Constants;
+
+    #[test]
+    fn the_output_projection_groups_tokens_where_contexts_are_read_again() {
+        // GLM-5 tp8 (8 heads, v 256, latent 512, BF16 out), 188 SMs. Batch 64: one group of 64
+        // with 2 rows per warp is 128 blocks reading W_UV (2 MiB) once and every 128 KiB context
+        // of a head 16 times (16.8 MB); 4 rows in groups of 16 is 256 blocks reading W_UV 4 times
+        // and each context 8 times (8.4 + 8.4 MB) on every SM: the lower
+        let c = Constants::SM120A;
+        let ((rpw, tg), us) = output_shape(64, 8, 256, 512, 2, &c);
+        assert_eq!((rpw, tg), (4, 16));
+        let bandwidth = c.dram_tbps * c.dram_efficiency * 1e6; // bytes per µs
+        let bytes = (4 * 8 * 256 * 512 * 2 + 64 * 8 * 512 * 4 * 8 + 64 * 8 * 256 * 2) as f64;
+        assert!((us - (bytes / bandwidth + c.launch_us)).abs() < 1e-6, "{us} µs for {bytes} B");
+        // batch 1: one token, one row per warp fills the GPU (256 blocks); nothing to group
+        assert_eq!(output_shape(1, 8, 256, 512, 2, &c).0, (1, 1));
+    }
 }
