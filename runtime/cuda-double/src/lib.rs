@@ -6,7 +6,8 @@
 //! allocations (a fault fails the context for good: `CUDA_ERROR_ILLEGAL_ADDRESS`), cubins must
 //! match the GPU's architecture, PTX must suit the driver version, stream-capture rules are
 //! enforced, allocations count against the configured memory (backed lazily, so a 96 GB plan
-//! costs only the pages it touches), and collectives rendezvous across ranks.
+//! costs only the pages it touches) and come back uncleared (all-ones bytes up to 64 MiB, and
+//! in pinned host memory), and collectives rendezvous across ranks.
 //!
 //! Written by hand because nothing else runs modern PTX behind the driver ABI (see
 //! `../shared/reference/cuda.md` §6): the simulated machine is set by `KILN_DOUBLE_*`

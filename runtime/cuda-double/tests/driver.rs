@@ -208,6 +208,33 @@ fn allocations_count_against_the_gpu_and_are_backed_lazily() {
     assert_eq!(cuMemFree_v2(q), INVALID_VALUE, "a double free is refused");
 }
 
+#[test]
+fn fresh_allocations_are_not_zeroed() {
+    let _s = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let g = open(5);
+    // a kernel that adds to a buffer nobody cleared reads what the allocation held: NaN here,
+    // where a double handing out zeros would give 1.0 and hide the missing clear
+    let mut p = 0u64;
+    unsafe { ok(cuMemAlloc_v2(&mut p, 64 * 4)) };
+    let (mut addr, mut n) = (p, 64u32);
+    let mut params = [&mut addr as *mut u64 as P, &mut n as *mut u32 as P];
+    ok(launch(&g, &mut params));
+    ok(cuStreamSynchronize(g.stream));
+    assert!(read_floats(p, 64).iter().all(|x| x.is_nan()), "an uncleared allocation read as a number");
+    // cleared, it reads as zeros
+    ok(cuMemsetD8_v2(p, 0, 64 * 4));
+    ok(launch(&g, &mut params));
+    ok(cuStreamSynchronize(g.stream));
+    assert_eq!(read_floats(p, 64), vec![1.0; 64]);
+    ok(cuMemFree_v2(p));
+    // pinned host memory neither
+    let mut h: P = null_mut();
+    unsafe { ok(cuMemHostAlloc(&mut h, 4096, 0)) };
+    let bytes = unsafe { std::slice::from_raw_parts(h as *const u8, 4096) };
+    assert!(bytes.iter().all(|&b| b == POISON), "pinned memory came back cleared");
+    unsafe { ok(cuMemFreeHost(h)) };
+}
+
 fn ptxas() -> Option<std::path::PathBuf> {
     std::env::var_os("KILN_PTXAS").map(Into::into).filter(|p: &std::path::PathBuf| p.is_file())
 }

@@ -2,6 +2,17 @@
 
 use super::*;
 
+/// The byte a fresh allocation holds, device (`cuMemAlloc`, up to [`POISON_MAX_BYTES`]) or
+/// pinned host (`cuMemHostAlloc`): the driver promises nothing about it (a GPU hands out what the
+/// last owner left), and all-ones bytes are NaN as floats and never a zero counter, so a missing
+/// clear shows as it would on hardware instead of passing on zeros.
+pub const POISON: u8 = 0xFF;
+
+/// Device allocations up to this size are filled with [`POISON`]; larger ones (weight arenas,
+/// KV caches) are backed lazily and read as zeros until written, since filling them would make
+/// the host hold every page of a simulated 96 GB GPU.
+pub const POISON_MAX_BYTES: usize = 64 << 20;
+
 /// # Safety
 /// Out-pointer must be writable.
 #[no_mangle]
@@ -28,6 +39,11 @@ pub unsafe extern "C" fn cuMemAlloc_v2(ptr: *mut u64, size: usize) -> CuResult {
                 return Err(OUT_OF_MEMORY);
             }
         };
+        // the driver does not clear what it hands out: a buffer that is read before it is
+        // written must fail here as on a GPU (see `POISON`)
+        if size <= POISON_MAX_BYTES {
+            mem.fill(id, 0, size, POISON);
+        }
         let addr = mem.addr(id);
         dev.allocs.lock().unwrap_or_else(|e| e.into_inner()).insert(addr, (id, size));
         put(ptr, addr)
@@ -64,10 +80,11 @@ pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut Ptr, size: usize, _flags: c_uin
             return Err(INVALID_VALUE);
         }
         let layout = std::alloc::Layout::from_size_align(size, 4096).map_err(|_| INVALID_VALUE)?;
-        let p = std::alloc::alloc_zeroed(layout);
+        let p = std::alloc::alloc(layout);
         if p.is_null() {
             return Err(OUT_OF_MEMORY);
         }
+        p.write_bytes(POISON, size);
         drv.objects().host.insert(p as usize, layout);
         put(pp, p.cast())
     })
