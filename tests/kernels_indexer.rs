@@ -4,7 +4,8 @@
 //! unassigned pages, sequences shorter than / equal to / longer than top-k, forced ties, and
 //! top-k sizes that make the kernel compact its candidate buffer many times; lists are in
 //! ascending position order. Decode's selection runs in both of its paths (every key in shared
-//! memory up to FAST positions, candidates beyond), each equal to the fused kernel. The GLM-5 tp8
+//! memory up to FAST positions, candidates beyond, or chunks of positions on blocks of their own
+//! with the token's last chunk selecting from their lists), each equal to the fused kernel. The GLM-5 tp8
 //! instance (decode and 8192-token prefill use the same kernel; only the grid differs) must
 //! assemble with ptxas for sm_120a without spills, within 255 registers and 101376 B of shared
 //! memory.
@@ -12,7 +13,7 @@
 mod common;
 
 use kiln_compiler::kernels::IndexerTopkParams;
-use kiln_compiler::passes::lower::{fast_positions, SELECT_THREADS, SMEM_LIMIT, THREADS};
+use kiln_compiler::passes::lower::{fast_positions, select_chunk, SELECT_THREADS, SMEM_LIMIT, THREADS};
 use kiln_runtime::cpu::reference::{self, Cache, TokenInputs};
 use kiln_runtime::cpu::rope::Rope;
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
@@ -48,6 +49,7 @@ fn params(heads: usize, dim: usize, rope: usize, page: usize, pps: usize, topk: 
         w_bf16: w_bf16 as u32,
         mode: 0,
         fast: 0,
+        chunk: 0,
     }
 }
 
@@ -80,8 +82,9 @@ fn bf16_bytes(v: &[f32]) -> Vec<u8> {
 }
 
 /// Runs one case on the emulator and the CPU, asserts identical outputs; returns the launch
-/// stats and the indexer-key bytes the scored tokens must read at least.
-fn run(c: &Case, seed: u64) -> (LaunchStats, u64) {
+/// stats, the indexer-key bytes the scored tokens must read at least, and how many rows a
+/// chunked selection took in chunks.
+fn run(c: &Case, seed: u64) -> (LaunchStats, u64, usize) {
     let mut rng = Rng::new(seed);
     let pps = c.table[0].len();
     let n_tok = c.tokens.len();
@@ -176,9 +179,12 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, u64) {
     // without the score launch having written it would show
     let positions_per_seq = pps * c.page;
     let bsc = g.alloc_bytes("scores", &vec![0x5Au8; n_tok * positions_per_seq * 4]);
+    // a chunked selection's arrival counter per token (the split-K region's first words)
+    let bcn = g.alloc("counters", n_tok * 4);
     let mut args: Vec<KernelArg> = [bq, bw, bp, bs, bt, bk, br, bo, bsc].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
     args.push(KernelArg::F32((c.heads as f32).powf(-0.5)));
     args.push(KernelArg::F32((c.dim as f32).powf(-0.5)));
+    args.push(KernelArg::U64(g.addr(bcn)));
     let stats = launch(&module, IndexerTopkParams::ENTRY, [n_tok as u32, 1, 1], [THREADS, 1, 1], smem, &args, &mut g).unwrap();
     let got: Vec<i32> = g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
     // Decode's split: scores over a grid of 1, 3 or one block per tile per token (each block
@@ -219,6 +225,33 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, u64) {
         let fast_rows = c.tokens.iter().filter(|t| t.0 >= 0 && t.1 as usize >= c.topk && (t.1 as u32) < fast).count();
         assert!(wide_got == got, "top-{}: selecting with {threads} threads (FAST {fast}: {fast_rows} rows) differs from the fused kernel", c.topk);
     }
+    // Past FAST positions the lowering may select in chunks of `select_chunk` positions, a block
+    // each, the token's last chunk to finish selecting from their lists (written over the
+    // scores): small FASTs send the case's longer rows there, with the most chunks and the
+    // fewest, from fresh scores each time; the same lists again, and every counter back at zero
+    // (the next launch counts from there).
+    let scores = g.read(bsc).to_vec();
+    let mut chunked_rows = 0;
+    for threads in [32, THREADS, SELECT_THREADS] {
+        let fasts: Vec<u32> = (1..).map(|m| m * threads).take_while(|&f| (f as usize) < positions_per_seq).filter(|&f| select_chunk(positions_per_seq, c.topk, f) > 0).collect();
+        let mut tried = vec![fasts.first().copied(), fasts.last().copied()];
+        tried.dedup();
+        for fast in tried.into_iter().flatten() {
+            let chunk = select_chunk(positions_per_seq, c.topk, fast);
+            let chunks = positions_per_seq.div_ceil(chunk as usize) as u32;
+            let cap = capacity(p2, threads).max(fast as usize / 2) as u32;
+            let sel = IndexerTopkParams { mode: 2, threads, cap, fast, chunk, ..p };
+            let m = Module::parse(&sel.render().unwrap(), "indexer_topk.ptx").unwrap();
+            g.write(bsc, 0, &scores);
+            g.write(bo, 0, &vec![0u8; n_tok * c.topk * 4]);
+            launch(&m, IndexerTopkParams::ENTRY, [n_tok as u32, chunks, 1], [threads, 1, 1], sel.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+            let chunked: Vec<i32> = g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            let rows = c.tokens.iter().filter(|t| t.0 >= 0 && t.1 as u32 >= fast).count();
+            assert!(chunked == got, "top-{}: selecting in chunks of {chunk} ({chunks} blocks of {threads} threads; FAST {fast}: {rows} rows chunked) differs from the fused kernel", c.topk);
+            assert!(g.read(bcn).iter().all(|&b| b == 0), "a chunk counter is not back at zero: {:?}", g.read(bcn));
+            chunked_rows += rows;
+        }
+    }
     for t in 0..n_tok {
         let (a, b) = (&got[t * c.topk..(t + 1) * c.topk], &want[t * c.topk..(t + 1) * c.topk]);
         assert_eq!(a, b, "token {t} (seq {}, position {}), top-{}: emulator vs CPU", c.tokens[t].0, c.tokens[t].1, c.topk);
@@ -242,7 +275,7 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, u64) {
         stats.global_bytes_read(),
         stats.elapsed
     );
-    (stats, scored)
+    (stats, scored, chunked_rows)
 }
 
 /// Page table rows: sequence s owns pages in a shuffled order (disjoint across sequences).
@@ -298,7 +331,8 @@ fn tiny_topk_matches_the_cpu_on_a_ragged_batch() {
         zero_q: vec![16],
         near_ties: false,
     };
-    run(&c, 1);
+    let (_, _, chunked) = run(&c, 1);
+    assert!(chunked > 0, "no row was selected in chunks");
 }
 
 #[test]
@@ -397,6 +431,23 @@ fn glm5_topk_2048_selects_from_thousands_of_positions() {
 }
 
 #[test]
+fn glm5_topk_2048_selects_in_chunks() {
+    // Top-2048 over up to 12,288 positions with FAST 6,144: chunks of 4,096 positions (3 lists
+    // of 2,048 for the last block); n = 12,288 (three full chunks), 9,001 (a last chunk of 809
+    // positions, fewer than top-k), 6,145 (two chunks), 6,144 (one block), 2,048 (no scoring);
+    // ties across chunks.
+    let (page, pps) = (64, 192);
+    assert_eq!(select_chunk(page * pps, 2048, 6144), 4096);
+    let mut rng = Rng::new(18);
+    let table = shuffled_tables(&mut rng, 1, pps, pps);
+    let tokens = vec![(0, 12287), (0, 9000), (0, 6144), (0, 6143), (0, 2047)];
+    let ties = vec![(100, vec![4095, 4096, 8200, 12000]), (200, vec![4097, 6143, 9000]), (300, vec![5000, 8191, 8192])];
+    let c = Case { heads: 1, dim: 8, rope: 8, page, pages: pps, topk: 2048, table, tokens, q_bf16: true, w_bf16: false, ties, zero_q: vec![], near_ties: false };
+    let (_, _, chunked) = run(&c, 51);
+    assert!(chunked >= 3, "{chunked} rows selected in chunks");
+}
+
+#[test]
 fn decode_reads_each_key_about_once() {
     // One decode token over 1000 positions: the kernel reads the keys once (plus q, the
     // page table and the RoPE row).
@@ -404,7 +455,7 @@ fn decode_reads_each_key_about_once() {
     let mut rng = Rng::new(15);
     let table = shuffled_tables(&mut rng, 1, pps, pps);
     let c = Case { heads: 8, dim: 32, rope: 16, page, pages: pps, topk: 16, table, tokens: vec![(0, 999)], q_bf16: true, w_bf16: false, ties: vec![], zero_q: vec![], near_ties: false };
-    let (stats, keys) = run(&c, 60);
+    let (stats, keys, _) = run(&c, 60);
     let ratio = stats.global_bytes_read() as f64 / keys as f64;
     eprintln!("decode: {} B read / {keys} B of keys = {ratio:.3}", stats.global_bytes_read());
     assert!((1.0..=1.25).contains(&ratio), "byte ratio {ratio}");
@@ -428,9 +479,13 @@ fn tiny_and_glm5_instances_assemble_for_sm_120a() {
         p
     };
     // decode's selection as lowering makes it: 1,024 threads, every key of up to FAST positions
-    // in shared memory (the block's limit)
+    // in shared memory (the block's limit), longer contexts in chunks
     let fast = fast_positions(SMEM_LIMIT);
-    let select = |p: IndexerTopkParams| IndexerTopkParams { mode: 2, threads: SELECT_THREADS, cap: capacity(p.p2 as usize, SELECT_THREADS).max(fast as usize / 2) as u32, fast, ..p };
+    let select = |p: IndexerTopkParams| {
+        let chunk = select_chunk((p.pps * p.page) as usize, p.topk as usize, fast);
+        IndexerTopkParams { mode: 2, threads: SELECT_THREADS, cap: capacity(p.p2 as usize, SELECT_THREADS).max(fast as usize / 2) as u32, fast, chunk, ..p }
+    };
+    assert!(select(glm5(true)).chunk > 0, "GLM-5's decode selects its longest contexts in chunks");
     for (name, p) in [("tiny", params(8, 32, 16, 64, 16, 16, true, false)), ("tiny_f32", params(8, 32, 16, 64, 16, 16, false, true)), ("glm5_tp8", glm5(true)), ("glm5_tp8_f32q", glm5(false)), ("glm5_tp8_select", select(glm5(true))), ("glm5_tp8_select_sm90", IndexerTopkParams { arch: 90, ..select(glm5(true)) })] {
         let (regs, spills, smem_static) = ptxas_resources(&ptxas, name, &p.render().unwrap());
         let dynamic = p.dynamic_smem().unwrap();

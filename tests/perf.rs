@@ -287,8 +287,9 @@ fn the_model_counts_every_launchs_bytes_as_the_emulator_does() {
 /// A launch of the GLM-5 skeleton's plan run alone on rank 0 in the emulator, on crafted state:
 /// zero weights (F32 scales 1), zero activations, `active` real tokens at positions `first ..`
 /// (prefill: one sequence; decode: one each, all at `first`), 64 pages per sequence, top-k lists
-/// of every cached position, routing of 8 distinct experts per token. Returns the emulator's bytes and the model's load.
-fn emulate_crafted(plan: &Plan, p: &Program, s: usize, active: usize, first: u32) -> (Vec<Bytes>, Load) {
+/// of every cached position, routing of 8 distinct experts per token. Returns the emulator's
+/// bytes and the model's load. With `only`, the step's other launches are not run (None).
+fn emulate_crafted(plan: &Plan, p: &Program, s: usize, active: usize, first: u32, only: Option<LaunchPick>) -> (Vec<Option<Bytes>>, Load) {
     let step = &p.steps[s];
     let t = p.tokens;
     let i = p.inputs;
@@ -322,6 +323,10 @@ fn emulate_crafted(plan: &Plan, p: &Program, s: usize, active: usize, first: u32
     let inputs = [i.ids, i.positions, i.token_seq, i.slots, i.page_table, i.logit_rows];
     let mut out = Vec::new();
     for l in &step.launches {
+        if only.is_some_and(|pick| !with_parts(plan, l).iter().any(|x| pick(plan, x))) {
+            out.push(None);
+            continue;
+        }
         let kernel = plan.kernel(l.kernel);
         let module = Module::parse(&kernel.ptx, &kernel.name).expect("parse");
         let mut args = Vec::new();
@@ -384,17 +389,20 @@ fn emulate_crafted(plan: &Plan, p: &Program, s: usize, active: usize, first: u32
         let before = count(&g);
         let stats = emu::launch(&module, &kernel.entry, l.grid, l.block, l.smem_dynamic, &args, &g).unwrap_or_else(|e| panic!("{}: {e}", kernel.name));
         let after = count(&g);
-        out.push(Bytes {
+        out.push(Some(Bytes {
             weights: after.weights - before.weights,
             activations: after.activations - before.activations,
             kv: after.kv - before.kv,
             aux: after.aux - before.aux,
             written: stats.global_bytes_written() as f64,
-        });
+        }));
     }
     let tokens = Tokens { positions: pos.iter().zip(&seq).map(|(&p, &s)| (s >= 0).then_some(p as u32)).collect() };
     (out, Load { tokens, experts, embed_rows: 0.0, logit_rows: 0.0 })
 }
+
+/// Picks a launch (or a merged launch's part) of a plan.
+type LaunchPick = fn(&Plan, &kiln_runtime::plan::Launch) -> bool;
 
 /// The value of a kernel's template parameter.
 fn param(plan: &Plan, l: &kiln_runtime::plan::Launch, name: &str) -> u64 {
@@ -408,7 +416,7 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
     kiln(&["compile", s(&dir.join("ckpt")), "--target", "sm_120a", "--tp", "8", "--no-ptxas", "-o", s(&dir.join("plan"))]);
     let plan = kiln_runtime::plan::read_plan(&dir.join("plan")).expect("plan");
     // (what, program, predicate on one of the step's launches, real tokens, first position)
-    type Pick = (&'static str, &'static str, fn(&Plan, &kiln_runtime::plan::Launch) -> bool, usize, u32);
+    type Pick = (&'static str, &'static str, LaunchPick, usize, u32);
     let picks: [Pick; 20] = [
         ("a merged launch: the router's gate product with its selection as the tail, beside the shared expert's gate/up", "decode_1", |pl, l| plan_template(pl, l) == "merged" && pl.kernel(l.kernel).parts.iter().any(|q| pl.kernel(q.kernel).template == "router"), 1, 300),
         ("rmsnorm over column blocks (a group's input norm)", "decode_4", |pl, l| plan_template(pl, l) == "rmsnorm" && param(pl, l, "CB") > 1, 4, 300),
@@ -431,14 +439,20 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
         ("MoE on the CUDA cores at GLM-5 shapes", "decode_8", |pl, l| plan_template(pl, l) == "moe_gate_up" && param(pl, l, "MMA") == 0, 1, 10),
         ("indexer top-k scoring 3000 positions", "decode_1", |pl, l| plan_template(pl, l) == "indexer_topk", 1, 2999),
     ];
+    // The indexer's selection in chunks (contexts past what one block selects), run alone on
+    // scores of zero (all tied: the first 2,048 positions win), without the scoring launch
+    // before it: 2 chunks of 1 token, 3 chunks of each of 3 tokens.
+    let chunked: LaunchPick = |pl, l| plan_template(pl, l) == "indexer_topk" && param(pl, l, "MODE") == 2 && param(pl, l, "CHUNK") > 0;
+    let chunk_picks: [Pick; 2] = [("the indexer's selection in 2 chunks", "decode_1", chunked, 1, 30000), ("the indexer's selection in 3 chunks, 3 of 4 tokens", "decode_4", chunked, 3, 45000)];
+    let plain = picks.len();
     let mut failures = Vec::new();
-    for (what, program, pred, active, first) in picks {
+    for (i, (what, program, pred, active, first)) in picks.into_iter().chain(chunk_picks).enumerate() {
         let p = plan.programs.iter().find(|p| p.name == program).unwrap_or_else(|| panic!("no {program}"));
         // (a step with the P2P collective kernel needs every rank at once: not a crafted step)
         let s = p.steps.iter().position(|st| !st.p2p_collective(&plan) && st.launches.iter().flat_map(|l| with_parts(&plan, l)).any(|l| pred(&plan, &l))).unwrap_or_else(|| panic!("{program} has no launch of the {what}"));
         let t0 = std::time::Instant::now();
-        let (emulated, load) = emulate_crafted(&plan, p, s, active, first);
-        for (li, emu) in emulated.iter().enumerate() {
+        let (emulated, load) = emulate_crafted(&plan, p, s, active, first, (i >= plain).then_some(pred));
+        for (li, emu) in emulated.iter().enumerate().filter_map(|(li, e)| Some((li, e.as_ref()?))) {
             let name = &plan.kernel(p.steps[s].launches[li].kernel).name;
             let model = launch_cost(&plan, &p.steps[s], li, &load).unwrap_or_else(|e| panic!("{name}: {e}")).bytes;
             for (class, m, e) in [("weights", model.weights, emu.weights), ("activations", model.activations, emu.activations), ("kv", model.kv, emu.kv), ("inputs", model.aux, emu.aux), ("written", model.written, emu.written)] {

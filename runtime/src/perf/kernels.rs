@@ -90,6 +90,10 @@ pub struct Cost {
     /// Blocks that do the launch's work (an MoE gate/up block whose expert got no token exits
     /// after its scan and does not count).
     pub blocks: f64,
+    /// Of `bytes`, those a block moves only after the launch's other blocks are done (the
+    /// indexer selection's last chunk reading every chunk's list): they take one SM's share of
+    /// the bandwidth, whatever the launch's occupancy.
+    pub serial: f64,
 }
 
 impl Cost {
@@ -101,6 +105,7 @@ impl Cost {
             s.compulsory.add(&c.compulsory);
             s.flops.add(&c.flops);
             s.blocks += c.blocks;
+            s.serial += c.serial;
         }
         s
     }
@@ -322,7 +327,10 @@ fn kernel_cost(plan: &Plan, l: &Launch, load: &Load) -> Result<Cost, String> {
 /// indexer key on the CUDA cores (the whole context); the others, and padding, only write their
 /// list. MODE 1 (decode): the scoring alone, grid.y blocks per token looping over its tiles of
 /// THREADS positions, each block with a tile staging the token's q and weights, every position's
-/// score written. MODE 2: the selection alone, reading those scores.
+/// score written. MODE 2: the selection alone, reading those scores: one block per token, or
+/// with CHUNK, past FAST positions, a block per chunk of CHUNK positions (its scores read, its
+/// list of TOPK keys and positions written, its arrival counted) and then the token's last
+/// chunk reading every list's keys and the positions it takes (`Cost::serial`).
 fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), String> {
     let (heads, dim, rope, topk, page) = (p.v("HEADS")?, p.v("DIM")?, p.v("ROPE")?, p.v("TOPK")?, p.v("PAGE")?);
     let mode = p.v("MODE")?;
@@ -336,6 +344,17 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
     if mode == 2.0 {
         c.write(rows * topk * 4.0);
         c.read(Class::Activations, positions * 4.0, 1.0);
+        let (fast, chunk) = (p.v_or("FAST", 0.0), p.v_or("CHUNK", 0.0));
+        let chunks = |n: f64| if chunk > 0.0 && n > fast { (n / chunk).ceil() } else { 0.0 };
+        let lists = load.tokens.sum(chunks);
+        // a list per chunk, its arrival (an atomic: 4 B read and written); the last chunk's
+        // reads of every list's keys and of the TOPK positions it takes
+        c.write(lists * (2.0 * topk * 4.0 + 4.0));
+        c.read(Class::Activations, lists * 4.0, 1.0);
+        let tail = |n: f64| if chunks(n) > 0.0 { (chunks(n) + 1.0) * topk * 4.0 } else { 0.0 };
+        c.read(Class::Activations, load.tokens.sum(tail), 1.0);
+        c.serial = load.tokens.max(|n| tail(n) + if chunks(n) > 0.0 { topk * 4.0 } else { 0.0 });
+        c.blocks = rows + load.tokens.sum(|n| (chunks(n) - 1.0).max(0.0));
         return Ok(());
     }
     if mode == 0.0 {

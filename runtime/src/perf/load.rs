@@ -21,6 +21,11 @@ impl Tokens {
     pub fn sum(&self, f: impl Fn(f64) -> f64) -> f64 {
         self.positions.iter().flatten().map(|&p| f(p as f64 + 1.0)).sum()
     }
+
+    /// The largest `f(n)` over the real tokens (0 if none).
+    pub fn max(&self, f: impl Fn(f64) -> f64) -> f64 {
+        self.positions.iter().flatten().map(|&p| f(p as f64 + 1.0)).fold(0.0, f64::max)
+    }
 }
 
 /// Routed tokens per local expert, as a histogram: `(n, experts)` = that many local experts got

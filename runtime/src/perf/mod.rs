@@ -128,10 +128,12 @@ pub struct Timing {
     pub bound: Bound,
 }
 
-/// `max(bytes / bandwidth, flops / rates) / occupancy + launch`.
+/// `max(bytes / bandwidth, flops / rates) / occupancy + launch`; the serial bytes
+/// (`Cost::serial`) at one SM's share of the bandwidth.
 pub fn launch_time(c: &Cost, k: &Constants) -> Timing {
     let occupancy = (c.blocks.max(1.0) / k.sms.max(1) as f64).min(1.0);
-    let memory_us = c.bytes.total() / k.bytes_per_us() / occupancy;
+    let serial = c.serial.min(c.bytes.total());
+    let memory_us = (c.bytes.total() - serial) / k.bytes_per_us() / occupancy + serial / k.bytes_per_us() * k.sms.max(1) as f64;
     let units = [(Bound::Fp4Mma, c.flops.fp4_mma / (k.fp4_pflops * 1e9)), (Bound::Bf16Mma, c.flops.bf16_mma / (k.bf16_pflops * 1e9)), (Bound::Fp32, c.flops.fp32 / (k.fp32_tflops * 1e6))];
     let compute_us = units.iter().map(|u| u.1).sum::<f64>() / occupancy;
     let bound = if memory_us >= compute_us { Bound::Memory } else { units.iter().max_by(|a, b| a.1.total_cmp(&b.1)).map_or(Bound::Memory, |u| u.0) };

@@ -4,13 +4,15 @@
 //! that leaves all but a few SMs idle (measured on an H200: 0.55 ms per layer at 8k context),
 //! scores in one launch of a block per (token, 64 positions) into the op's `scores` scratch
 //! (MODE 1) and selects in a second, one block per token (MODE 2: up to `fast_positions` a radix
-//! select over every key in shared memory, no sort). Scores are bit-identical to the CPU's
+//! select over every key in shared memory, no sort; longer contexts over several blocks of
+//! `select_chunk` positions each, the token's last to finish selecting from their lists, so a
+//! 128k context is not one block's serial work). Scores are bit-identical to the CPU's
 //! either way, so the selected positions are exact; they are written in ascending order. The two scales are computed here
 //! exactly as the CPU does.
 
 use super::{float_flag, fits, numel, of, of_grid, width, Cx, Instance, THREADS};
 use crate::kernels::{IndexerTopkArgs, IndexerTopkParams, Ptr};
-use kiln_runtime::plan::{DType, Op};
+use kiln_runtime::plan::{DType, Op, SplitKLayout};
 
 /// Static shared memory of the template (radix histogram + 8 counters).
 const STATIC_SMEM: usize = 256 * 4 + 32;
@@ -29,6 +31,26 @@ pub const SELECT_THREADS: u32 = 1024;
 pub fn fast_positions(smem_limit: u32) -> u32 {
     let keys = (smem_limit as usize).saturating_sub(STATIC_SMEM) / 4;
     (keys.min(u16::MAX as usize) / SELECT_THREADS as usize * SELECT_THREADS as usize) as u32
+}
+
+/// Positions per selecting block (`CHUNK`) for contexts of up to `positions`, where they may be
+/// longer than the `fast` one block selects with every key in shared memory; 0 where none is or
+/// no chunk fits. Of the chunks that fit (at least 2 `topk`, so a chunk's list of keys and
+/// positions fits over its scores, the last chunk's list inside the row too; at most `fast`; at
+/// most `fast / topk` chunks, so their lists fit the last block's shared memory), the one that
+/// moves the fewest words at the longest context: a chunk's scores and its list, then the last
+/// block's reads of every list and its output (each block runs on one SM, so these add up).
+pub fn select_chunk(positions: usize, topk: usize, fast: u32) -> u32 {
+    let fast = fast as usize;
+    if fast == 0 || positions <= fast || topk == 0 {
+        return 0;
+    }
+    let words = |c: usize| c + 2 * topk + positions.div_ceil(c) * topk + 2 * topk;
+    let fits = |c: usize| {
+        let chunks = positions.div_ceil(c);
+        chunks * topk <= fast && (chunks - 1) * c + 2 * topk <= positions
+    };
+    (2 * topk..=fast).filter(|&c| fits(c)).min_by_key(|&c| (words(c), c)).unwrap_or(0) as u32
 }
 
 /// Candidate buffer entries for a top-k of `p2` (its power of two) in blocks of `threads`: room
@@ -86,6 +108,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         w_bf16: float_flag(p.buffer(head_weights).dtype, "the head weights")?,
         mode: 0,
         fast: 0,
+        chunk: 0,
     };
     let inputs = &p.inputs;
     let args = IndexerTopkArgs {
@@ -100,6 +123,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         scores: Ptr::Buffer(scores),
         head_scale: (heads as f32).powf(-0.5),
         dim_scale: (dim as f32).powf(-0.5),
+        splitk: Ptr::Buffer(out),
     };
     // (the shape verifier has checked `scores`: empty, or a score per token and position)
     if p.buffer(scores).bytes == 0 {
@@ -115,10 +139,40 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let tiles = positions.div_ceil(score_threads as usize);
     let per_token = (2 * cx.consts.sms as usize).div_ceil(tokens).clamp(1, tiles) as u32;
     let score = IndexerTopkParams { mode: 1, threads: score_threads, ..params };
-    // The selection's result is the exact top-k in ascending position order whatever the block size.
-    let select = IndexerTopkParams { mode: 2, threads: SELECT_THREADS, cap: select_cap as u32, fast, ..params };
+    // The selection's result is the exact top-k in ascending position order whatever the block
+    // size; contexts past `fast` are selected in chunks, a block each, counted in at a counter
+    // per token in the split-K region. Only where the grid of every token's chunks fits on the
+    // SMs at once: at short contexts all but a block per token exit, and a second wave of such
+    // blocks (1,024 threads and most of the shared memory each) would cost what the model
+    // does not see; larger batches keep a block per token, which fills more of the GPU anyway.
+    let chunk = select_chunk(positions, topk, fast);
+    let chunks = if chunk > 0 { positions.div_ceil(chunk as usize) } else { 1 };
+    let (chunk, chunks) = if chunk > 0 && tokens * chunks <= cx.consts.sms as usize && tokens as u64 <= SplitKLayout::COUNTERS { (chunk, chunks as u32) } else { (0, 1) };
+    let select = IndexerTopkParams { mode: 2, threads: SELECT_THREADS, cap: select_cap as u32, fast, chunk, ..params };
+    let select_args = IndexerTopkArgs { splitk: if chunk > 0 { Ptr::SplitKRegion } else { Ptr::Buffer(out) }, ..args };
     Ok(vec![
         of_grid(&score, [tokens as u32, per_token, 1], score_threads, args.launch_args()),
-        of_grid(&select, [tokens as u32, 1, 1], SELECT_THREADS, args.launch_args()),
+        of_grid(&select, [tokens as u32, chunks, 1], SELECT_THREADS, select_args.launch_args()),
     ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::select_chunk;
+
+    #[test]
+    fn the_chunk_is_the_one_that_moves_the_fewest_words_and_fits() {
+        // GLM-5 (202,752 positions, top-2048, 24,576 keys a block): words = chunk + 2,048 x
+        // chunks (+ 8,192 either way), least near sqrt(2,048 x 202,752) = 20,377; 10 chunks
+        // from 20,276 (the smallest chunk of 10) give 40,756 against 40,960 for 9 (22,528) and
+        // for 11 (18,432)
+        assert_eq!(select_chunk(202_752, 2048, 24_576), 20_276);
+        // one block takes contexts up to FAST
+        assert_eq!(select_chunk(24_576, 2048, 24_576), 0);
+        // 300,000 positions would need chunks of 25,000 to leave at most 12 lists: more than a block holds
+        assert_eq!(select_chunk(300_000, 2048, 24_576), 0);
+        // 5,120 positions, top-2048, FAST 4,096: the one chunk size (4,096) would put the last
+        // chunk's list (4,096 words from position 4,096) past the row
+        assert_eq!(select_chunk(5_120, 2048, 4_096), 0);
+    }
 }
