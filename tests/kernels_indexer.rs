@@ -502,8 +502,21 @@ fn tiny_and_glm5_instances_assemble_for_sm_120a() {
 /// emulator over random inputs and match the CPU.
 #[test]
 fn the_planned_launches_of_the_tiny_model_match_the_cpu() {
+    planned_launches_match_the_cpu(false);
+}
+
+/// The same with the tiny model's context stretched to 32,768 positions (its config edited; the
+/// weights do not depend on it): decode's selection is planned in chunks (the plan is checked
+/// for it), and tokens past 24,576 positions take them, the split-K region's counters back at
+/// zero afterwards.
+#[test]
+fn the_planned_chunked_selection_of_a_long_context_matches_the_cpu() {
+    planned_launches_match_the_cpu(true);
+}
+
+fn planned_launches_match_the_cpu(long: bool) {
     use kiln_runtime::plan::{read_plan, KernelFamily, LaunchArg, Op, ProgramKind};
-    let dir = std::env::temp_dir().join(format!("kiln-indexer-plan-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("kiln-indexer-plan-{}-{long}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let kiln = |args: &[&str]| {
         let o = Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).output().expect("run kiln");
@@ -511,9 +524,17 @@ fn the_planned_launches_of_the_tiny_model_match_the_cpu() {
     };
     let (ckpt, art) = (dir.join("ckpt"), dir.join("plan"));
     kiln(&["synth", "tiny", "-o", ckpt.to_str().unwrap()]);
+    let config = ckpt.join("config.json");
+    let mut compile = vec!["compile", ckpt.to_str().unwrap(), "--target", "sm_120a", "--no-ptxas", "--no-merge", "-o", art.to_str().unwrap()];
+    if long {
+        let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+        c["max_position_embeddings"] = 32768.into();
+        std::fs::write(&config, c.to_string()).unwrap();
+        compile.extend(["--max-context", "32768", "--decode-batches", "1,4", "--prefill-chunk", "32"]);
+    }
     // --no-merge: the indexer's own launches (a merged plan runs its selection beside
     // attention's absorb, the same kernel: tests/emu_logits.rs holds merged against unmerged)
-    kiln(&["compile", ckpt.to_str().unwrap(), "--target", "sm_120a", "--no-ptxas", "--no-merge", "-o", art.to_str().unwrap()]);
+    kiln(&compile);
     let plan = read_plan(&art).unwrap();
     // (a step without a kernel fails the compile)
     for p in &plan.programs {
@@ -534,7 +555,11 @@ fn the_planned_launches_of_the_tiny_model_match_the_cpu() {
         let Op::IndexerTopK { q, head_weights, layer, topk, scores, out } = step.op else { unreachable!() };
         let select = step.launches.last().unwrap();
         let select_threads = if decode { SELECT_THREADS } else { THREADS };
-        assert_eq!((select.grid, select.block), ([program.tokens as u32, 1, 1], [select_threads, 1, 1]));
+        let chunk = plan.kernel(select.kernel).param("CHUNK").unwrap_or(0) as usize;
+        let positions_per_seq = plan.memory.kv.pages_per_seq * plan.memory.kv.page_size;
+        let chunks = if chunk > 0 { positions_per_seq.div_ceil(chunk) as u32 } else { 1 };
+        assert_eq!((select.grid, select.block), ([program.tokens as u32, chunks, 1], [select_threads, 1, 1]));
+        assert_eq!(chunk > 0, long && decode, "{}: the selection's CHUNK {chunk}", program.name);
 
         let (t, seqs) = (program.tokens, program.seqs);
         let heads = plan.model.index_n_heads;
@@ -545,7 +570,12 @@ fn the_planned_launches_of_the_tiny_model_match_the_cpu() {
         let mut rng = Rng::new(80 + pi as u64);
         let table = shuffled_tables(&mut rng, seqs, kv.pages_per_seq, kv.pages);
         let page_table: Vec<i32> = table.into_iter().flatten().collect();
-        let (positions, token_seq): (Vec<i32>, Vec<i32>) = if decode {
+        let (positions, token_seq): (Vec<i32>, Vec<i32>) = if long && decode {
+            // past one block's 24,576 positions (in chunks, the last one shorter), at it (one
+            // block), within top-k
+            let pos = [32767, 24576, 24575, 5, 30000];
+            (0..t).map(|s| (pos[s % pos.len()], s as i32)).unzip()
+        } else if decode {
             // sequence s beyond top-k (every third one within it), the last token padding
             let pos = |s: usize| if s % 3 == 1 { 5 + s as i32 % 11 } else { (300 + 97 * s as i32) % kv.max_context as i32 };
             (0..t).map(|s| if s + 1 == t && t > 1 { (0, -1) } else { (pos(s), s as i32) }).unzip()
@@ -577,6 +607,7 @@ fn the_planned_launches_of_the_tiny_model_match_the_cpu() {
         let bo = g.alloc("out", t * topk * 4);
         // the pattern no score takes (0.0 is a score), so an unwritten score would show
         let bsc = g.alloc_bytes("scores", &vec![0x5Au8; program.buffer(scores).bytes.max(4) as usize]);
+        let bcn = g.alloc("split_k", t * 4);
         let ins = &program.inputs;
         for l in &step.launches {
             let k = &plan.kernels[l.kernel.0 as usize];
@@ -594,6 +625,7 @@ fn the_planned_launches_of_the_tiny_model_match_the_cpu() {
                     LaunchArg::Buffer(b) if b == scores => KernelArg::U64(g.addr(bsc)),
                     LaunchArg::KvCache { layer: la } if la as usize == layer => KernelArg::U64(g.addr(bk)),
                     LaunchArg::RopeTable => KernelArg::U64(g.addr(br)),
+                    LaunchArg::SplitKRegion => KernelArg::U64(g.addr(bcn)),
                     LaunchArg::F32(v) => KernelArg::F32(v),
                     ref other => panic!("unexpected argument {other:?} of {}", k.name),
                 })
@@ -603,7 +635,8 @@ fn the_planned_launches_of_the_tiny_model_match_the_cpu() {
         }
         let got: Vec<i32> = g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         assert_eq!(got, want, "{}: planned launches vs CPU", program.name);
-        eprintln!("{}: planned indexer top-{topk} launch over {t} tokens identical to the CPU", program.name);
+        assert!(g.read(bcn).iter().all(|&b| b == 0), "{}: a chunk counter is not back at zero", program.name);
+        eprintln!("{}: planned indexer top-{topk} launch over {t} tokens ({chunks} selecting blocks each) identical to the CPU", program.name);
         checked += 1;
     }
     assert!(checked >= 2, "checked {checked} programs");

@@ -73,12 +73,39 @@ fn glm5_tp8_kernels_assemble_without_spills() {
             max_smem = max_smem.max(smem);
         }
         eprintln!("GLM-5 {target} tp8: {} kernels, at most {max_regs} registers and {max_smem} B shared memory, 0 spills", kernels.len());
+        merged_blocks_of_different_sizes_are_all_resident(&plan, target);
         if target == "sm_120a" {
             shipped_artifact_equals(&plan);
         }
     }
     shipped_artifact_refuses_what_it_cannot_run(&dir.join("ckpt"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A launch merging parts of different block sizes runs every block at the larger size, so all
+/// its blocks must be resident at once (a second wave would cost a block's whole time, more than
+/// the launch saved): by threads, shared memory (1 KiB reserved per block) and ptxas's registers
+/// per SM, sm_120a 1,536 / 100 KiB / 64K (`shared/reference/sm120_ptx.md`), sm_90a 2,048 /
+/// 228 KiB / 64K.
+fn merged_blocks_of_different_sizes_are_all_resident(art: &Path, target: &str) {
+    let plan = kiln_runtime::plan::read_plan(art).unwrap();
+    let (threads_per_sm, smem_per_sm) = if target == "sm_90a" { (2048, 228 << 10) } else { (1536, 100 << 10) };
+    let mut checked = 0;
+    for l in plan.programs.iter().flat_map(|p| &p.steps).flat_map(|s| &s.launches) {
+        let k = plan.kernel(l.kernel);
+        let sizes: std::collections::BTreeSet<u32> = k.parts.iter().map(|q| q.block[0]).collect();
+        if sizes.len() < 2 {
+            continue;
+        }
+        let r = k.resources.as_ref().unwrap_or_else(|| panic!("{} was not assembled", k.name));
+        let threads = l.block[0];
+        // (registers are allocated a warp's 256 at a time: a thread's count rounds up to 8)
+        let per_sm = (threads_per_sm / threads).min(smem_per_sm / (l.smem_dynamic + r.smem_static_bytes + 1024)).min(65_536 / (r.registers.div_ceil(8) * 8 * threads));
+        let blocks: u32 = l.grid.iter().product();
+        assert!(blocks <= plan.target.sm_count * per_sm, "{}: {blocks} blocks of {threads} threads, {} registers and {} B shared memory: {per_sm} per SM on {} SMs", k.name, r.registers, l.smem_dynamic + r.smem_static_bytes, plan.target.sm_count);
+        checked += 1;
+    }
+    eprintln!("GLM-5 {target}: {checked} merged launches of different block sizes, every block resident at once");
 }
 
 const SHIPPED: &str = "artifacts/GLM-5-NVFP4-sm120a-tp8";

@@ -12,13 +12,14 @@
 //! buffers: nothing the first step writes may overlap what the second's launch is passed, nor
 //! the reverse; a KV-cache layer written by one may not be addressed by the other; where both
 //! count tiles in the split-K region, the second takes the region's upper slot; collectives and
-//! launches merged side by side stay as they are. Blocks of different sizes merge where the
-//! smaller kernel's blocks fit on the SMs side by side (the merged block is the larger).
+//! launches merged side by side stay as they are. Blocks of different sizes merge where every
+//! block of the merged launch is resident at once (the merged block is the larger, with the
+//! larger shared memory).
 
 use crate::error::CompileError;
 use crate::kernels::merge::{merge_ptx, MergePart, MERGED_ENTRY};
 use kiln_runtime::perf::Constants;
-use kiln_runtime::plan::{BufId, KernelFamily, KernelId, KernelInfo, KernelPart, Launch, LaunchArg, Op, Plan, Program, ProgramKind, Step};
+use kiln_runtime::plan::{Arch, BufId, KernelFamily, KernelId, KernelInfo, KernelPart, Launch, LaunchArg, Op, Plan, Program, ProgramKind, Step};
 use std::collections::BTreeMap;
 
 /// Whether lowering may give adjacent steps' ops `a` and `b` of `p` one launch (where their
@@ -167,10 +168,14 @@ fn independent(plan: &Plan, p: &Program, a: &Step, b: &Step, sms: u32) -> bool {
     if la.block[1..] != [1, 1] || lb.block[1..] != [1, 1] {
         return false;
     }
-    // blocks of different sizes: the merged block is the larger, so the smaller kernel's blocks
-    // take the larger's room on an SM; only where they fit on the SMs side by side anyway
+    // blocks of different sizes: the merged block is the larger, with the larger shared memory,
+    // so the smaller kernel's blocks take the larger's room on an SM; only where every block of
+    // the merged launch is resident at once (a second wave would cost a block's whole time, a
+    // launch saved 1.5 µs; e.g. the indexer's 1,024-thread selection beside attention's absorb
+    // from 61 selecting blocks)
     let blocks = |l: &Launch| l.grid.iter().product::<u32>();
-    if la.block != lb.block && blocks(if la.block[0] < lb.block[0] { la } else { lb }) > sms {
+    let per_sm = resident_blocks(plan.target.arch, la.block[0].max(lb.block[0]), la.smem_dynamic.max(lb.smem_dynamic));
+    if la.block != lb.block && blocks(la) + blocks(lb) > sms * per_sm {
         return false;
     }
     // a chained launch first, a plain one beside it (a chain's block is its parts')
@@ -189,6 +194,18 @@ fn independent(plan: &Plan, p: &Program, a: &Step, b: &Step, sms: u32) -> bool {
     let overlaps = |w: &[(u64, u64)], t: &[(u64, u64)]| w.iter().any(|&(w0, w1)| t.iter().any(|&(t0, t1)| w0 < t1 && t0 < w1));
     let writes = |st: &Step| st.op.writes().into_iter().map(range).collect::<Vec<_>>();
     !overlaps(&writes(a), &passed(lb)) && !overlaps(&writes(b), &passed(la))
+}
+
+/// Blocks of `threads` threads and `smem` bytes of dynamic shared memory one SM is sure to hold
+/// at once: by its threads, its shared memory (1 KiB of it reserved per block) and its 64K
+/// registers at the most a thread of such a block may get (64K / threads, at most 255: merging
+/// runs before ptxas chooses); sm_120a 1,536 threads and 100 KiB (`shared/reference/sm120_ptx.md`),
+/// sm_90a 2,048 and 228 KiB.
+fn resident_blocks(arch: Arch, threads: u32, smem: u32) -> u32 {
+    let (threads_per_sm, smem_per_sm) = if arch == Arch::Sm90a { (2048, 228 << 10) } else { (1536, 100 << 10) };
+    let threads = threads.max(1);
+    let registers = (65_536 / threads).min(255);
+    (threads_per_sm / threads).min(smem_per_sm / (smem + 1024)).min(65_536 / (registers * threads))
 }
 
 /// The merged kernel of launches `a` and `b` (made once per set of parts and grids) and the
