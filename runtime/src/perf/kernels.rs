@@ -353,7 +353,8 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
         c.read(Class::Activations, lists * 4.0, 1.0);
         let tail = |n: f64| if chunks(n) > 0.0 { (chunks(n) + 1.0) * topk * 4.0 } else { 0.0 };
         c.read(Class::Activations, load.tokens.sum(tail), 1.0);
-        c.serial = load.tokens.max(|n| tail(n) + if chunks(n) > 0.0 { topk * 4.0 } else { 0.0 });
+        // ... and its output (counted with every row's above)
+        c.serial = load.tokens.max(|n| if chunks(n) > 0.0 { tail(n) + topk * 4.0 } else { 0.0 });
         c.blocks = rows + load.tokens.sum(|n| (chunks(n) - 1.0).max(0.0));
         return Ok(());
     }

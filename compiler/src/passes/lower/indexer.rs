@@ -40,6 +40,8 @@ pub fn fast_positions(smem_limit: u32) -> u32 {
 /// most `fast / topk` chunks, so their lists fit the last block's shared memory), the one that
 /// moves the fewest words at the longest context: a chunk's scores and its list, then the last
 /// block's reads of every list and its output (each block runs on one SM, so these add up).
+/// For a number of chunks the smallest chunk that makes it moves the fewest words (and leaves
+/// the most room after the last chunk), so only those are priced.
 pub fn select_chunk(positions: usize, topk: usize, fast: u32) -> u32 {
     let fast = fast as usize;
     if fast == 0 || positions <= fast || topk == 0 {
@@ -48,9 +50,9 @@ pub fn select_chunk(positions: usize, topk: usize, fast: u32) -> u32 {
     let words = |c: usize| c + 2 * topk + positions.div_ceil(c) * topk + 2 * topk;
     let fits = |c: usize| {
         let chunks = positions.div_ceil(c);
-        chunks * topk <= fast && (chunks - 1) * c + 2 * topk <= positions
+        c <= fast && chunks * topk <= fast && (chunks - 1) * c + 2 * topk <= positions
     };
-    (2 * topk..=fast).filter(|&c| fits(c)).min_by_key(|&c| (words(c), c)).unwrap_or(0) as u32
+    (1..=fast / topk).map(|chunks| positions.div_ceil(chunks).max(2 * topk)).filter(|&c| fits(c)).min_by_key(|&c| (words(c), c)).unwrap_or(0) as u32
 }
 
 /// Candidate buffer entries for a top-k of `p2` (its power of two) in blocks of `threads`: room
