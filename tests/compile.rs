@@ -717,3 +717,41 @@ fn decode_projections_of_the_same_activations_are_one_launch() {
         }
     }
 }
+
+#[test]
+fn attention_absorbs_kv_b_once_per_step_in_prefill_as_in_decode() {
+    use kiln_runtime::plan::{attention_splits_cap, read_plan, Op};
+    // the shipped GLM-5 plan (tp 8): every attention, prefill chunks too, takes the split form:
+    // q absorbed by W_UK in a launch of its own (kv_b read once a step, not once per token as
+    // the fused prefill launch did: 3.7 MB a token, 7.5 GB a layer at 2,048 tokens), each split
+    // of the top-k rows' softmax state (MODE 1), then the combine and the output projection by
+    // W_UV (MODE 3, or MODE 1 and MODE 2), with its scratch sized for every token of the program
+    let art = Path::new(env!("CARGO_MANIFEST_DIR")).join("artifacts/GLM-5-NVFP4-sm120a-tp8");
+    let plan = read_plan(&art).unwrap();
+    let mut prefill_steps = 0;
+    for p in &plan.programs {
+        for (s, step) in p.steps.iter().enumerate() {
+            let Some(&Op::MlaAttention { q, heads, absorbed, partials, .. }) = step.op.leaves().iter().find(|op| matches!(op, Op::MlaAttention { .. })) else { continue };
+            let tokens = p.buffer(q).shape[0];
+            let latent = plan.model.kv_lora_rank;
+            assert_eq!(p.buffer(absorbed).shape, [tokens, heads * latent], "{} step {s}", p.name);
+            assert_eq!(p.buffer(partials).shape, [tokens, attention_splits_cap(tokens), heads * (latent + 4)], "{} step {s}", p.name);
+            let parts: Vec<(String, Option<u64>)> = step
+                .launches
+                .iter()
+                .flat_map(|l| plan.part_launches(l))
+                .map(|l| {
+                    let k = plan.kernel(l.kernel);
+                    (k.template.clone(), k.params.iter().find(|(n, _)| n == "MODE").map(|(_, v)| *v))
+                })
+                .filter(|(t, _)| t == "mla_split" || t == "mla_attention")
+                .collect();
+            let modes: Vec<(&str, u64)> = parts.iter().map(|(t, m)| (t.as_str(), m.unwrap_or(u64::MAX))).collect();
+            let combined = [("mla_split", 0), ("mla_attention", 1), ("mla_split", 3)];
+            let apart = [("mla_split", 0), ("mla_attention", 1), ("mla_split", 1), ("mla_split", 2)];
+            assert!(modes == combined || modes == apart, "{} step {s}: {modes:?}", p.name);
+            prefill_steps += usize::from(p.name.starts_with("prefill"));
+        }
+    }
+    assert_eq!(prefill_steps, 5 * plan.model.num_hidden_layers, "every layer of the 5 prefill programs");
+}

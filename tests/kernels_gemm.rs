@@ -388,6 +388,13 @@ fn k_across_blocks_matches_the_cpu_and_replays_the_same_bits() {
     for (i, &(m, n, k, x_bf16, out_bf16, mt, ks)) in tiled_cases.iter().enumerate() {
         bf16_case(m, n, k, x_bf16, out_bf16, Form { ks, ..tiled(mt, 2, 3) }, 840 + i as u64);
     }
+    // Prefill's 128-row blocks (4 m16 tiles per warp) with K over blocks, as a narrow projection
+    // of a long chunk takes them: three row blocks, the last of 4 rows (260 = 2 x 128 + 4), 2
+    // column blocks, 6 slices of 33 stages (6 each, the last 3); F32 outputs over 5 slices.
+    let prefill_cases = [(260, 136, 1040, true, true, 6), (150, 40, 1552, true, false, 5)];
+    for (i, &(m, n, k, x_bf16, out_bf16, ks)) in prefill_cases.iter().enumerate() {
+        bf16_case(m, n, k, x_bf16, out_bf16, Form { ks, ..tiled(4, 2, 4) }, 860 + i as u64);
+    }
 }
 
 /// One launch of a group of BF16 linears of the same x (`SEGS`: weights and outputs side by

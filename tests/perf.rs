@@ -433,8 +433,8 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
         ("split-KV attention over 2048 selected of 3000", "decode_1", |pl, l| plan_template(pl, l) == "mla_split", 1, 2999),
         ("split-KV attention, 3 of 64 tokens", "decode_64", |pl, l| plan_template(pl, l) == "mla_split", 3, 150),
         ("split-KV attention with every tile taken by all 8 warps, 3 of 64 tokens", "decode_64", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "COOP") == 1, 3, 150),
-        ("attention, 4 heads per block", "prefill_128", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "HG") == 4, 3, 150),
-        ("attention on the tensor cores", "prefill_512", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "MMA") == 1, 2, 150),
+        ("prefill attention in the split form, up to 4 splits a token, 3 of 128 tokens", "prefill_128", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "MODE") == 1, 3, 150),
+        ("prefill attention on the tensor cores, one split a token", "prefill_512", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "MMA") == 1 && param(pl, l, "SPLITS") == 1, 2, 150),
         ("MoE on the tensor cores", "prefill_128", |pl, l| plan_template(pl, l) == "moe_gate_up" && param(pl, l, "MMA") == 1, 2, 10),
         ("MoE on the CUDA cores at GLM-5 shapes", "decode_8", |pl, l| plan_template(pl, l) == "moe_gate_up" && param(pl, l, "MMA") == 0, 1, 10),
         ("indexer top-k scoring 3000 positions", "decode_1", |pl, l| plan_template(pl, l) == "indexer_topk", 1, 2999),
@@ -613,6 +613,22 @@ fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
     for (d, f) in decode.iter().zip(fast["perf"]["decode"].as_array().unwrap()) {
         assert!(f["step_ms"].as_f64() < d["step_ms"].as_f64(), "{d} / {f}");
     }
+    // a prefill chunk's launches: the table's step of that chunk from position 0
+    let chunk = json(&inspect(&[SHIPPED, "--json", "--perf", "--top-prefill", "2048", "--top-context", "2048", "--top-count", "0"]));
+    let top = &chunk["perf"]["top"];
+    assert_eq!((top["program"].as_str(), top["batch"].as_u64(), top["tokens"].as_u64(), top["context"].as_u64()), (Some("prefill_2048"), Some(1), Some(2048), Some(2048)));
+    let row = prefill.iter().find(|p| p["chunk"] == 2048 && p["prefix"] == 0).expect("a prefill row of 2048 from 0");
+    assert!((top["step_ms"].as_f64().unwrap() - row["step_ms"].as_f64().unwrap()).abs() < 1e-9, "{top} / {row}");
+    let sum: f64 = top["launches"].as_array().unwrap().iter().map(|l| l["ms_total"].as_f64().unwrap()).sum();
+    assert!((sum - top["step_ms"].as_f64().unwrap()).abs() < 1e-6 * sum, "every launch listed sums to the step: {sum}");
+    // the largest chunk as the last of a longer context: the table's row at that prefix
+    let last = json(&inspect(&[SHIPPED, "--json", "--perf", "--top-prefill", "8192", "--top-context", "32768"]));
+    let row = prefill.iter().find(|p| p["chunk"] == 8192 && p["prefix"] == 32768 - 8192).expect("the 8k chunk ending at 32k");
+    assert!((last["perf"]["top"]["step_ms"].as_f64().unwrap() - row["step_ms"].as_f64().unwrap()).abs() < 1e-9);
+    let bad = inspect(&[SHIPPED, "--perf", "--top-prefill", "9000"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("no prefill program for a chunk of 9000 tokens (its largest chunk: 8192)"), "{}", String::from_utf8_lossy(&bad.stderr));
+    let bad = inspect(&[SHIPPED, "--perf", "--top-prefill", "2048", "--top-batch", "4"]);
+    assert!(!bad.status.success(), "--top-prefill lists a prefill chunk, --top-batch a decode step: not both");
     let bad = inspect(&[SHIPPED, "--perf", "--dram-efficiency", "1.5"]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--dram-efficiency"));
 }

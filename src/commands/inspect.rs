@@ -63,15 +63,27 @@ pub struct PerfArgs {
     /// Sequences of the decode step whose launches are listed.
     #[arg(long, requires = "perf", default_value_t = 1)]
     top_batch: usize,
-    /// Context of the decode step whose launches are listed.
+    /// Context of the step whose launches are listed (with --top-prefill: the chunk ends there).
     #[arg(long, requires = "perf", default_value_t = 8192)]
     top_context: usize,
+    /// List the launches of the prefill chunk of this many tokens instead of a decode step
+    /// (one sequence; the chunk's last token at --top-context - 1, or from position 0 when the
+    /// chunk is longer).
+    #[arg(long, requires = "perf", conflicts_with = "top_batch")]
+    top_prefill: Option<usize>,
     /// How many of its longest launch groups are listed (identical launches summed; 0: all).
     #[arg(long, requires = "perf", default_value_t = 10)]
     top_count: usize,
 }
 
 impl PerfArgs {
+    fn top_step(&self) -> perf::TopStep {
+        match self.top_prefill {
+            Some(chunk) => perf::TopStep::Prefill { chunk },
+            None => perf::TopStep::Decode { batch: self.top_batch },
+        }
+    }
+
     /// The target's defaults with the flags applied, and the notes on where they come from.
     fn constants(&self, plan: &Plan) -> anyhow::Result<(Constants, Vec<String>)> {
         let (mut k, notes) = Constants::for_target(&plan.target).map_err(anyhow::Error::msg)?;
@@ -109,7 +121,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let report = match a.perf.perf {
         true => {
             let (k, notes) = a.perf.constants(&plan)?;
-            Some(perf::report(&plan, &k, notes, a.perf.top_batch, a.perf.top_context, if a.perf.top_count == 0 { usize::MAX } else { a.perf.top_count }).map_err(anyhow::Error::msg)?)
+            Some(perf::report(&plan, &k, notes, a.perf.top_step(), a.perf.top_context, if a.perf.top_count == 0 { usize::MAX } else { a.perf.top_count }).map_err(anyhow::Error::msg)?)
         }
         false => None,
     };
@@ -281,10 +293,13 @@ fn perf_text(out: &mut String, r: &perf::Report) -> std::fmt::Result {
     writeln!(out)?;
     writeln!(
         out,
-        "  top {} launches of {} ({} sequence(s) at context {}; predicted step {:.2} ms; identical launches summed; x compulsory = bytes moved / distinct bytes)",
+        "  top {} launches of {} ({} at context {}; predicted step {:.2} ms; identical launches summed; x compulsory = bytes moved / distinct bytes)",
         t.launches.len(),
         t.program,
-        t.batch,
+        match t.program.starts_with("prefill") {
+            true => format!("a chunk of {} tokens", t.tokens),
+            false => format!("{} sequence(s)", t.batch),
+        },
         context(t.context),
         t.step_ms
     )?;

@@ -196,10 +196,11 @@ impl<'a> Builder<'a> {
         let kv_b_rows = c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim);
         let kv_b = self.param(&format!("{kvb}.weight"), DType::BF16, &[kv_b_rows, c.kv_lora_rank], kind, ShardRole::Rows, "MLA kv_b_proj")?;
         let att = self.tokens(format!("l{l}.attn"), DType::BF16, c.num_attention_heads * c.v_head_dim);
-        // decode splits the selected positions over many blocks (see Op::MlaAttention)
+        // split-KV attention's scratch: the q absorbed once, the selected positions split over
+        // blocks (see Op::MlaAttention)
         let (heads, latent) = (c.num_attention_heads, c.kv_lora_rank);
-        let absorbed = self.value(format!("l{l}.attn_absorbed"), DType::F32, vec![Dim::ScoreRows, Dim::Fixed(heads * latent)]);
-        let partials = self.value(format!("l{l}.attn_partials"), DType::F32, vec![Dim::ScoreRows, Dim::AttentionSplits, Dim::Fixed(heads * (latent + 4))]);
+        let absorbed = self.value(format!("l{l}.attn_absorbed"), DType::F32, vec![Dim::AttentionRows, Dim::Fixed(heads * latent)]);
+        let partials = self.value(format!("l{l}.attn_partials"), DType::F32, vec![Dim::AttentionRows, Dim::AttentionSplits, Dim::Fixed(heads * (latent + 4))]);
         self.push(
             Op::MlaAttention {
                 q,

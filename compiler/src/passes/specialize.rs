@@ -148,7 +148,8 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
         Dim::LogitRows => bucket.logit_rows,
         Dim::PagesPerSeq => bucket.pages_per_seq,
         Dim::ScoreRows => if matches!(bucket.kind, ProgramKind::Decode { .. }) { bucket.tokens } else { 0 },
-        Dim::AttentionSplits => if matches!(bucket.kind, ProgramKind::Decode { .. }) { attention_splits_cap(bucket.tokens) } else { 0 },
+        Dim::AttentionRows => bucket.tokens,
+        Dim::AttentionSplits => attention_splits_cap(bucket.tokens),
         Dim::Fixed(n) => n,
     };
     let buffers = graph

@@ -116,7 +116,7 @@ fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -
             expect("q", shape(*q), &[rows(*q), heads * cfg.qk_head_dim()])?;
             expect("kv_b", slot(*kv_b), &[heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank])?;
             expect("out", shape(*out), &[rows(*q), heads * cfg.v_head_dim])?;
-            // split-KV decode's scratch (empty in prefill): absorbed q, then each split's state
+            // split-KV attention's scratch: absorbed q, then each split's state
             let latent = cfg.kv_lora_rank;
             let split_rows = if rows(*absorbed) == 0 { 0 } else { rows(*q) };
             expect("absorbed", shape(*absorbed), &[split_rows, heads * latent])?;

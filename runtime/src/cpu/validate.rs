@@ -158,7 +158,7 @@ fn check_op(plan: &Plan, p: &Program, op: &Op) -> Result<(), String> {
             let (nope, dr, dv, r) = (m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank);
             float(q, t * heads * (nope + dr))?;
             float(out, t * heads * dv)?;
-            // scratch: empty (prefill) or split-KV decode's absorbed q and split states
+            // scratch: empty (plans before prefill took the split form) or split-KV attention's absorbed q and split states
             if p.buffer(absorbed).bytes != 0 || p.buffer(partials).bytes != 0 {
                 float(absorbed, t * heads * r)?;
                 float(partials, t * crate::plan::attention_splits_cap(t) * heads * (r + 4))?;

@@ -447,7 +447,11 @@ pub struct TopLaunch {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Top {
     pub program: String,
+    /// Sequences of the step (1 for a prefill chunk).
     pub batch: usize,
+    /// Tokens of the step: its sequences at decode, the chunk at prefill.
+    pub tokens: usize,
+    /// Positions cached after the step (a prefill chunk's last token is at `context - 1`).
     pub context: usize,
     pub step_ms: f64,
     pub launches: Vec<TopLaunch>,
@@ -494,9 +498,9 @@ fn notes(plan: &Plan) -> Vec<String> {
 }
 
 /// The whole report: decode buckets x [`CONTEXTS`], prefill buckets (from position 0, and the
-/// largest one as the last chunk of each context), and the launches of the decode bucket of
-/// `batch` sequences at `context` summed by kernel, longest first.
-pub fn report(plan: &Plan, k: &Constants, mut notes_extra: Vec<String>, batch: usize, context: usize, count: usize) -> Result<Report, String> {
+/// largest one as the last chunk of each context), and the launches of `step` at `context`
+/// summed by kernel, longest first.
+pub fn report(plan: &Plan, k: &Constants, mut notes_extra: Vec<String>, step: TopStep, context: usize, count: usize) -> Result<Report, String> {
     let ranks = plan.ranks();
     let experts = |t: usize| uniform_experts(plan, t);
     let max_context = plan.memory.kv.max_context;
@@ -529,21 +533,51 @@ pub fn report(plan: &Plan, k: &Constants, mut notes_extra: Vec<String>, batch: u
             prefill.push(PrefillRow { chunk, prefix: c - chunk, step: StepPerf::of(p, c, chunk, &perf, k) });
         }
     }
-    let top = top(plan, k, batch, context.min(max_context), count)?;
+    let top = top(plan, k, step, context.min(max_context), count)?;
     if context > max_context {
-        notes_extra.push(format!("the detailed decode step is at context {max_context}, the plan's --max-context"));
+        notes_extra.push(format!("the detailed step is at context {max_context}, the plan's --max-context"));
     }
     let mut all_notes = notes(plan);
     all_notes.extend(notes_extra);
     Ok(Report { assumptions: Assumptions { target: plan.target.name.clone(), constants: *k, notes: all_notes }, decode, prefill, top })
 }
 
-/// The decode bucket holding `batch` sequences at `context`, its launches summed by kernel
-/// instance and grid, and its collectives by kind, the `count` longest first.
-pub fn top(plan: &Plan, k: &Constants, batch: usize, context: usize, count: usize) -> Result<Top, String> {
-    let pi = plan.decode_program(batch.max(1)).ok_or_else(|| format!("the plan has no decode program for {batch} sequences"))?;
-    let p = &plan.programs[pi];
-    let perf = predict_program(plan, p, &Load::decode(p.tokens, batch.max(1), context, |t| uniform_experts(plan, t), plan.ranks()), k)?;
+/// Which step [`top`] lists: the decode step of `batch` sequences, or the prefill chunk of
+/// `chunk` tokens (one sequence), each ending at the context `top` is given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TopStep {
+    Decode { batch: usize },
+    Prefill { chunk: usize },
+}
+
+/// The program holding `step` at `context` (a chunk longer than the context starts at position
+/// 0 and ends the context with it), its launches summed by kernel instance and grid, and its
+/// collectives by kind, the `count` longest first.
+pub fn top(plan: &Plan, k: &Constants, step: TopStep, context: usize, count: usize) -> Result<Top, String> {
+    let experts = |t: usize| uniform_experts(plan, t);
+    let (p, load, batch, tokens, context) = match step {
+        TopStep::Decode { batch } => {
+            let batch = batch.max(1);
+            let pi = plan.decode_program(batch).ok_or_else(|| format!("the plan has no decode program for {batch} sequences"))?;
+            let p = &plan.programs[pi];
+            (p, Load::decode(p.tokens, batch, context, experts, plan.ranks()), batch, batch, context)
+        }
+        TopStep::Prefill { chunk } => {
+            let chunk = chunk.max(1);
+            let p = plan
+                .programs
+                .iter()
+                .filter(|p| matches!(p.kind, ProgramKind::Prefill { .. }) && p.tokens >= chunk)
+                .min_by_key(|p| p.tokens)
+                .ok_or_else(|| {
+                    let largest = plan.programs.iter().filter(|p| matches!(p.kind, ProgramKind::Prefill { .. })).map(|p| p.tokens).max();
+                    format!("the plan has no prefill program for a chunk of {chunk} tokens (its largest chunk: {})", largest.map_or("none".into(), |t| t.to_string()))
+                })?;
+            let context = context.max(chunk);
+            (p, Load::prefill(p.tokens, chunk, context - chunk, experts, plan.ranks()), 1, chunk, context)
+        }
+    };
+    let perf = predict_program(plan, p, &load, k)?;
     let step_us = perf.step_us(false);
     let mut groups: BTreeMap<(u32, [u32; 3]), Vec<&LaunchPerf>> = BTreeMap::new();
     for l in &perf.launches {
@@ -595,7 +629,7 @@ pub fn top(plan: &Plan, k: &Constants, batch: usize, context: usize, count: usiz
     }
     launches.sort_by(|a, b| b.ms_total.total_cmp(&a.ms_total));
     launches.truncate(count);
-    Ok(Top { program: p.name.clone(), batch: batch.max(1), context, step_ms: step_us / 1e3, launches })
+    Ok(Top { program: p.name.clone(), batch, tokens, context, step_ms: step_us / 1e3, launches })
 }
 
 #[cfg(test)]

@@ -18,15 +18,18 @@ pub enum Dim {
     PagesPerSeq,
     /// Tokens whose indexer scores go to scratch: the decode batch; 0 in prefill programs.
     ScoreRows,
-    /// KV splits of decode attention whose partial softmax states go to scratch:
-    /// [`attention_splits_cap`] of the decode batch; 0 in prefill programs.
+    /// Tokens whose absorbed q and split softmax states go to scratch (split-KV attention):
+    /// every token of the program, decode and prefill.
+    AttentionRows,
+    /// KV splits of attention whose partial softmax states go to scratch:
+    /// [`attention_splits_cap`] of the program's tokens.
     AttentionSplits,
     Fixed(usize),
 }
 
-/// Most KV splits decode attention may use at `tokens` tokens: enough that tokens x splits
-/// blocks fill 256 SMs twice, at most 128 (the scratch of the partial states grows with it; the
-/// combine holds 4 splits' states per lane).
+/// Most KV splits attention may use at `tokens` tokens: enough that tokens x splits blocks fill
+/// 256 SMs twice, at most 128 (the scratch of the partial states grows with it; the combine
+/// holds 4 splits' states per lane); 1 from 512 tokens (long prefill chunks).
 pub fn attention_splits_cap(tokens: usize) -> usize {
     512usize.div_ceil(tokens.max(1)).min(128)
 }

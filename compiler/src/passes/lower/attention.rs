@@ -2,12 +2,15 @@
 //!
 //! Both `AttentionForm`s lower to the absorbed kernel: the forms are mathematically equal and
 //! the absorbed one reads each selected latent row once for all heads of a block instead of
-//! expanding per-head keys and values. Prefill: one fused launch, a block per (token, group of
-//! heads). Decode (the op has split scratch): split-KV in four launches, so that even one token
-//! fills the GPU and kv_b is read once per step instead of once per block: q absorbed into the
+//! expanding per-head keys and values. Where the op has split scratch (decode and prefill
+//! alike) and `mla_split` takes the geometry: split-KV in four launches, so that even one token
+//! fills the GPU and kv_b is read once per step instead of once per block (a prefill chunk's
+//! fused launch read its 3.7 MB per token on GLM-5 tp8), the splits per token as many as fill
+//! the GPU within the scratch (one from 512 tokens): q absorbed into the
 //! latent space (`mla_split` MODE 0), each split of the top-k row's softmax state
 //! (`mla_attention` MODE 1, all heads of a block sharing every latent row), the splits combined
-//! (`mla_split` MODE 1), and the output projection (`mla_split` MODE 2).
+//! (`mla_split` MODE 1), and the output projection (`mla_split` MODE 2). Else one fused launch,
+//! a block per (token, group of heads).
 
 use super::{candidate_us, fits, float_flag, numel, of_grid, width, Cx, Instance, THREADS};
 use kiln_runtime::perf::Constants;
@@ -189,7 +192,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let slots = u32::try_from(kv.pages * kv.page_size).map_err(|_| "the cache slots overflow a u32".to_string())?;
     let max_pos = u32::try_from(kv.max_context).map_err(|_| "the context overflows a u32".to_string())?;
     let (q_bf16, out_bf16) = (float_flag(p.buffer(q).dtype, "q")?, float_flag(p.buffer(out).dtype, "the output")?);
-    // split-KV decode where the op has the scratch and the geometry fits mla_split
+    // split-KV where the op has the scratch and the geometry fits mla_split
     let split_cap = if p.buffer(partials).shape.len() == 3 { p.buffer(partials).shape[1] } else { 0 };
     // (the combine launch holds 128 splits' states in a warp: attention_splits_cap stays <= 128)
     let split = (1..=128).contains(&split_cap)

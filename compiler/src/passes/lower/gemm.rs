@@ -88,6 +88,10 @@ impl Bf16Form {
 /// stages fills and drains once per block).
 const MIN_TILED_STAGES: usize = 8;
 
+/// Most K slices of a prefill (128-row) tile: ptxas 12.9 spills such a block that adds 12 slices
+/// into its 64 accumulators (the unrolled slice sum), not one that adds 6.
+const MAX_PREFILL_KS: u32 = 6;
+
 /// Warps of a split-form block (THREADS / 32): each takes every 8th K step.
 const WARPS: usize = THREADS as usize / 32;
 
@@ -104,7 +108,8 @@ fn ks_allowed(ks: u32, tiles: usize, steps: usize, sums: usize, min_per: usize) 
 }
 
 /// The BF16 GEMM's form for M x N x K and its predicted µs. Prefill (M > 64) is tiled: 128-row
-/// blocks with BF16 activations past 64 rows, else 64. Up to 64 rows the split-K widths (32, 16,
+/// blocks with BF16 activations past 64 rows, else 64, with K over the `ks` blocks that cost
+/// least (the tiled forms below). Up to 64 rows the split-K widths (32, 16,
 /// 8 weight rows per block), each with K shared out over `ks` blocks, and the tiled form are
 /// costed with [`candidate_us`]: the weights read once per row block, the activations once per
 /// column block, the partial sums written and read once per slice, over the SMs the blocks
@@ -115,13 +120,16 @@ pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Const
     let tiled = Bf16Form { split: 0, mt: if x_bf16 && m > GEMM_BM { 4 } else { 2 }, nt: 1, ks: 1 };
     let cost = bf16_cost(m, n, k, x_bf16, None, consts);
     if m > BF16_SPLIT_MAX_M {
-        return (tiled, cost(&tiled));
+        // a narrow projection's tiles alone leave most SMs idle (q_a's 256 columns of a 2,048-token
+        // chunk: 32 blocks): its K shared out too, where the partial sums fit the region
+        let best = cheapest(bf16_tiled_forms(tiled, m, n, k).filter(|f| f.ks <= MAX_PREFILL_KS), &cost).unwrap_or(tiled);
+        return (best, cost(&best));
     }
     let best = cheapest(bf16_split_forms(m, n, k).chain(bf16_tiled_forms(tiled, m, n, k)), &cost).unwrap_or(tiled);
     (best, cost(&best))
 }
 
-/// The tiled form at decode-sized M, its K stages shared out over `ks` blocks where each slice
+/// The tiled form, its K stages shared out over `ks` blocks where each slice
 /// keeps `MIN_TILED_STAGES` stages for its ring, none is empty, and the tiles and partial sums
 /// fit the split-K region: a 6,144-column projection at batch 64 reads its activations once per
 /// 128 columns (48 column blocks, not the split form's 192) and still fills the GPU.
@@ -442,7 +450,7 @@ mod tests {
     use kiln_runtime::perf::Constants;
 
     #[test]
-    fn bf16_decode_gemms_pick_the_form_the_byte_model_prefers() {
+    fn bf16_gemms_pick_the_form_the_byte_model_prefers() {
         let form = |m, n, k, x_bf16| bf16_gemm_form(m, n, k, x_bf16, &Constants::SM120A).0;
         // A 2,048 x 6144 projection at decode batch 64 on 188 SMs: 16 tiled blocks draw 16/188
         // of the bandwidth for 37.8 MB, 444 MB-equivalents; two row blocks of 32 rows and 32
@@ -452,9 +460,20 @@ mod tests {
         // 192 K stages over 12 blocks make 192 too, for 25.2 MB of weights, x once per 128
         // columns (12.6 MB) and the partials written and read (12.6 MB): 50.
         assert_eq!(form(64, 2048, 6144, true), Bf16Form { split: 0, mt: 2, nt: 1, ks: 12 });
-        // Prefill is always tiled, 128 rows per block with BF16 activations.
+        // Prefill is always tiled, 128 rows per block with BF16 activations; 256 tiles of a
+        // 2,048-column projection of a 2,048-token chunk fill the SMs with K in one block.
         assert_eq!(form(2048, 2048, 6144, true), Bf16Form { split: 0, mt: 4, nt: 1, ks: 1 });
         assert_eq!(form(2048, 2048, 6144, false), Bf16Form { split: 0, mt: 2, nt: 1, ks: 1 });
+        // q_a's 256 columns of that chunk are 32 tiles: at 32/188 of the bandwidth, x twice
+        // (25.2 MB each) and the weights 16 times (3.1 MB each) are 591 MB-equivalents; K over 6
+        // blocks makes 192 blocks for 125.8 MB with the partials' 2 x 12.6 MB (4 slices: 128
+        // blocks, 117.4 MB at 128/188, 172), at most 6 (ptxas spills 12).
+        assert_eq!(form(2048, 256, 6144, true), Bf16Form { split: 0, mt: 4, nt: 1, ks: 6 });
+        // At 8,192 tokens q_a keeps K in one block (two slices' partials, 2 x 8.4 MB, exceed the
+        // split-K region's 16 MiB slot); the indexer's 128 wk columns (64 tiles) take 3 slices
+        // (12.6 MB of partials), the most that fit.
+        assert_eq!(form(8192, 256, 6144, true), Bf16Form { split: 0, mt: 4, nt: 1, ks: 1 });
+        assert_eq!(form(8192, 128, 6144, true), Bf16Form { split: 0, mt: 4, nt: 1, ks: 3 });
         // The lm_head slice (19,360 rows) at 32 tokens: the widest split blocks re-read the
         // activations 605 times; 128-wide tiles read them 152 times, and with K over 2 blocks
         // (304 blocks; the partials' 9.9 MB) they fill the GPU, where 152 blocks leave 36 SMs idle.
