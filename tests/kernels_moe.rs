@@ -16,7 +16,7 @@
 mod common;
 
 use kiln_compiler::kernels::{MoeDownParams, MoeGateUpParams};
-use kiln_compiler::passes::lower::{gate_up_cols, loads_ahead, SMEM_LIMIT, THREADS};
+use kiln_compiler::passes::lower::{down_threads, gate_up_cols, gate_up_threads, loads_ahead, mma_group, SMEM_LIMIT, THREADS};
 use kiln_runtime::cpu::quant::quantize_block_codes;
 use kiln_runtime::cpu::reference::{self, Nvfp4Stack};
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, Module};
@@ -346,6 +346,26 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
         assert!(g.read(bmid_c) == quant, "MID_FP4 gate/up over {slots} compact blocks differs from one block per expert");
         bmid_f
     });
+    if c.mma {
+        // Prefill's 128-column blocks of 16 warps (`gate_up_cols`, `gate_up_threads`: half the
+        // reads of the activations), an n8 tile of gate and up a warp, write the 8-warp bits.
+        let wide = MoeGateUpParams { cols: 128, threads: gate_up_threads(128, true), ..pg };
+        let mw = Module::parse(&wide.render().unwrap(), "moe_gate_up.ptx").unwrap();
+        let bmid128 = g.alloc("mid128", c.tokens * sh.top_k * inter * 2);
+        let mut args128 = args1.clone();
+        args128[7] = KernelArg::U64(g.addr(bmid128));
+        launch(&mw, MoeGateUpParams::ENTRY, [el as u32, (inter as u32).div_ceil(128), 1], [wide.threads, 1, 1], wide.dynamic_smem().unwrap(), &args128, &mut g).unwrap();
+        assert!(g.read(bmid128) == g.read(bmid), "gate/up on the tensor cores with 128 columns per block of 16 warps differs from {COLS} of 8");
+        // Groups of 64 tokens (`mma_group`: four m16 tiles, the weights read once per 64) write
+        // the bits of groups of 32.
+        let g64 = MoeGateUpParams { g: 64, ..pg };
+        let m64 = Module::parse(&g64.render().unwrap(), "moe_gate_up.ptx").unwrap();
+        let bmid64 = g.alloc("mid_g64", c.tokens * sh.top_k * inter * 2);
+        let mut args64 = args1.clone();
+        args64[7] = KernelArg::U64(g.addr(bmid64));
+        launch(&m64, MoeGateUpParams::ENTRY, grid1, [THREADS, 1, 1], g64.dynamic_smem().unwrap(), &args64, &mut g).unwrap();
+        assert!(g.read(bmid64) == g.read(bmid), "gate/up on the tensor cores in groups of 64 tokens differs from groups of 32");
+    }
     if !c.mma {
         // Decode's narrower blocks (as `gate_up_cols` picks at batch 1: one column per warp),
         // loading one block ahead instead of four, compute every column as the 64-wide ones do.
@@ -381,6 +401,27 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
         args32[9] = KernelArg::U64(g.addr(bout32));
         launch(&mn, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(32), 1, 1], [THREADS, 1, 1], narrow.dynamic_smem().unwrap(), &args32, &mut g).unwrap();
         assert!(g.read(bout32) == g.read(bout), "down with 32 columns per block, unroll 3, differs from {COLS}, unroll 4");
+    } else {
+        // Prefill's 32-column blocks of 4 warps (`down_cols`, `down_threads`: 192 blocks where
+        // GLM-5's 96 of 64 columns leave half the SMs idle), an n8 tile a warp, write the
+        // 8-warp result bit for bit.
+        let narrow = MoeDownParams { cols: 32, threads: down_threads(32, true), ..pd };
+        let mn = Module::parse(&narrow.render().unwrap(), "moe_down.ptx").unwrap();
+        let (bacc32, bout32) = (g.alloc("acc32", c.tokens * sh.hidden * 4), g.alloc("out32", c.tokens * sh.hidden * 2));
+        let mut args32 = args2.clone();
+        args32[8] = KernelArg::U64(g.addr(bacc32));
+        args32[9] = KernelArg::U64(g.addr(bout32));
+        launch(&mn, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(32), 1, 1], [narrow.threads, 1, 1], narrow.dynamic_smem().unwrap(), &args32, &mut g).unwrap();
+        assert!(g.read(bout32) == g.read(bout), "down on the tensor cores with 32 columns per block of 4 warps differs from {COLS} of 8");
+        // ... and in groups of 64 tokens
+        let g64 = MoeDownParams { g: 64, ..pd };
+        let m64 = Module::parse(&g64.render().unwrap(), "moe_down.ptx").unwrap();
+        let (bacc64, bout64) = (g.alloc("acc_g64", c.tokens * sh.hidden * 4), g.alloc("out_g64", c.tokens * sh.hidden * 2));
+        let mut args64 = args2.clone();
+        args64[8] = KernelArg::U64(g.addr(bacc64));
+        args64[9] = KernelArg::U64(g.addr(bout64));
+        launch(&m64, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(COLS), 1, 1], [THREADS, 1, 1], g64.dynamic_smem().unwrap(), &args64, &mut g).unwrap();
+        assert!(g.read(bout64) == g.read(bout), "down on the tensor cores in groups of 64 tokens differs from groups of 32");
     }
     if let Some(bmid_f) = mid_fp4 {
         // ... and down copying those codes writes the bits of down quantising the BF16 rows
@@ -574,13 +615,14 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
     for (mode, experts, inter) in [("tp", 256usize, 256usize), ("ep", 32, 2048)] {
         for tokens in [1usize, 32, 8192] {
             let mma = tokens > 64;
-            let cols = gate_up_cols(&Experts::uniform(tokens, top_k, 256, experts), inter, hidden, 2, mma, &Constants::SM120A);
+            let g_mma = mma_group(arch, tokens, mma_chunk(arch, hidden), SMEM_LIMIT);
+            let cols = gate_up_cols(&Experts::uniform(tokens, top_k, 256, experts), inter, hidden, 2, mma.then_some(g_mma), (experts * tokens * (top_k + 1) * 4) as f64, &Constants::SM120A);
             // the largest groups that fit (with MID_FP4 a token also stages its columns' values)
-            let g1 = if mma { 32 } else { group(tokens, hidden * 3 / 2 + if cols % 16 == 0 { cols as usize * 4 } else { 0 }) };
-            let g2 = if mma { 32 } else { group(tokens, inter * 3 / 4) };
+            let g1 = if mma { g_mma } else { group(tokens, hidden * 3 / 2 + if cols % 16 == 0 { cols as usize * 4 } else { 0 }) };
+            let g2 = if mma { mma_group(arch, tokens, mma_chunk(arch, inter), SMEM_LIMIT) } else { group(tokens, inter * 3 / 4) };
             // loads ahead as the lowering picks them (four at G <= 4 would spill at larger G)
-            let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), unroll: loads_ahead(g1), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: THREADS, x_bf16: 1, compact: (!mma && tokens * top_k < experts) as u32, mid_fp4: (!mma && cols % 16 == 0) as u32 };
-            let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: if mma { COLS } else { 32 } /* down_cols at GLM-5 decode sizes */, lanes: lanes(inter), unroll: loads_ahead(g2), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: THREADS, w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1, stage: 1, acc_smem: 0, mid_fp4: gu.mid_fp4 };
+            let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), unroll: loads_ahead(g1), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: gate_up_threads(cols, mma), x_bf16: 1, compact: (!mma && tokens * top_k < experts) as u32, mid_fp4: (!mma && cols % 16 == 0) as u32 };
+            let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: 32 /* down_cols at GLM-5 sizes */, lanes: lanes(inter), unroll: loads_ahead(g2), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: down_threads(32, mma), w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1, stage: 1, acc_smem: 0, mid_fp4: gu.mid_fp4 };
             out.push((format!("sm_{arch}a glm5 {mode} tokens={tokens} G={g1}/{g2} cols={cols} mma={mma}"), gu, staged_where_it_fits(dn)));
         }
     }

@@ -435,7 +435,7 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
         ("split-KV attention with every tile taken by all 8 warps, 3 of 64 tokens", "decode_64", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "COOP") == 1, 3, 150),
         ("prefill attention in the split form, up to 4 splits a token, 3 of 128 tokens", "prefill_128", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "MODE") == 1, 3, 150),
         ("prefill attention on the tensor cores, one split a token", "prefill_512", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "MMA") == 1 && param(pl, l, "SPLITS") == 1, 2, 150),
-        ("MoE on the tensor cores", "prefill_128", |pl, l| plan_template(pl, l) == "moe_gate_up" && param(pl, l, "MMA") == 1, 2, 10),
+        ("MoE on the tensor cores, down in 4-warp blocks of 32 columns", "prefill_128", |pl, l| plan_template(pl, l) == "moe_gate_up" && param(pl, l, "MMA") == 1, 2, 10),
         ("MoE on the CUDA cores at GLM-5 shapes", "decode_8", |pl, l| plan_template(pl, l) == "moe_gate_up" && param(pl, l, "MMA") == 0, 1, 10),
         ("indexer top-k scoring 3000 positions", "decode_1", |pl, l| plan_template(pl, l) == "indexer_topk", 1, 2999),
     ];

@@ -529,7 +529,7 @@ fn moe_gate_up(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), 
     // mid: BF16, or with MID_FP4 e2m1 codes and an e4m3 scale per 16 values
     c.write(pairs * inter * if mid_fp4 { 9.0 / 16.0 } else { 2.0 });
     if mma {
-        c.flops.fp4_mma += groups * 32.0 * loaded * 2.0 * kk * 2.0;
+        c.flops.fp4_mma += groups * g * loaded * 2.0 * kk * 2.0;
     } else {
         c.flops.fp32 += groups * g * loaded * 2.0 * kk * 2.0;
     }
@@ -576,7 +576,7 @@ fn moe_down(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), Str
     }
     c.write(pairs * hidden * acc + tokens * hidden * p.size("OUT_BF16")?);
     if mma {
-        c.flops.fp4_mma += groups * 32.0 * loaded * inter * 2.0;
+        c.flops.fp4_mma += groups * g * loaded * inter * 2.0;
     } else {
         c.flops.fp32 += groups * g * loaded * inter * 2.0;
     }

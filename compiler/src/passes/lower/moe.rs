@@ -35,8 +35,17 @@ pub fn lanes(k: usize) -> u32 {
     (k / 16).next_power_of_two().clamp(1, 32) as u32
 }
 
-/// Tokens per group of the tensor-core path (two m16 tiles).
+/// Tokens per group of the tensor-core path (two m16 tiles), the least [`mma_group`] takes.
 pub const MMA_GROUP: usize = 32;
+
+/// Tokens per group of the tensor-core path: 64 (four m16 tiles, each expert's weights read
+/// once per 64 tokens instead of 32) where gate/up's two parts of that many quantised rows of
+/// `kc` values fit the shared memory beside the token list, else [`MMA_GROUP`]. The group is
+/// the rows of the tiles, so any size gives the same bits.
+pub fn mma_group(arch: u32, tokens: usize, kc: usize, smem_limit: u32) -> usize {
+    let row = if arch == 90 { kc * 2 } else { kc / 2 + 16 + kc / 16 };
+    [2 * MMA_GROUP, MMA_GROUP].into_iter().find(|g| list_bytes(tokens) + 2 * g * row + STATIC_SMEM <= smem_limit as usize).unwrap_or(MMA_GROUP)
+}
 
 /// K chunk of the tensor-core path: the largest multiple of 64 dividing `k` up to 1024 on
 /// sm_120a (e2m1 codes, 0.6 B a value) or 256 on sm_90a (f16 values, 2 B), so two parts of 32
@@ -77,43 +86,63 @@ pub fn group_size(tokens: usize, bytes_per_token: usize, smem_limit: u32) -> Res
     Ok(g)
 }
 
-/// Intermediate columns per block of the gate/up launch. The tensor-core path takes 64 (an n8
-/// tile per warp). The CUDA-core (decode) path picks from 64, 32, 16 and 8 by [`candidate_us`]
-/// under `routing`: each working block (an expert that got tokens, times a column tile) reads
-/// its columns' gate and up rows once and its expert's activation rows. At GLM-5 tp8 batch 1
-/// (8 experts x 256 columns) 64-wide blocks are 32 working blocks; 8-wide, 256.
-pub fn gate_up_cols(routing: &Experts, inter: usize, k: usize, x_bytes: usize, mma: bool, consts: &Constants) -> u32 {
-    if mma {
-        return MOE_COLS;
-    }
+/// Intermediate columns per block of the gate/up launch, by [`candidate_us`] under `routing`:
+/// each working block (an expert that got tokens, times a column tile) reads its columns' gate
+/// and up rows and its expert's activation rows; every column tile's blocks read `scan` bytes
+/// of routing between them. The CUDA-core (decode) path picks from 64, 32, 16 and 8 columns of
+/// 8 warps, its weights read once: at GLM-5 tp8 batch 1 (8 experts x 256 columns) 64-wide
+/// blocks are 32 working blocks; 8-wide, 256. The tensor-core (prefill) path takes an n8 tile a
+/// warp, 64 columns of 8 warps or 128 of 16 ([`gate_up_threads`]), its weights read once per
+/// group of `mma` tokens whatever the width: wider tiles read the activations fewer times.
+pub fn gate_up_cols(routing: &Experts, inter: usize, k: usize, x_bytes: usize, mma: Option<usize>, scan: f64, consts: &Constants) -> u32 {
     let hit = routing.sum(|n| if n > 0.0 { 1.0 } else { 0.0 });
     let pairs = routing.sum(|n| n);
-    let weights = hit * 2.0 * inter as f64 * k as f64 * 9.0 / 16.0;
+    let weights = match mma {
+        Some(g) => routing.sum(|n| (n / g as f64).ceil()) * 2.0 * inter as f64 * k as f64 * 3.0 / 4.0,
+        None => hit * 2.0 * inter as f64 * k as f64 * 9.0 / 16.0,
+    };
     let cost = |cols: u32| {
         // every column tile of an expert reads that expert's rows
         let tiles = inter.div_ceil(cols as usize) as f64;
-        candidate_us(weights, tiles * pairs * (k * x_bytes) as f64, 0.0, hit * tiles, consts)
+        candidate_us(weights, tiles * (pairs * (k * x_bytes) as f64 + scan), 0.0, hit * tiles, consts)
     };
-    [MOE_COLS, 32, 16, 8].into_iter().fold(MOE_COLS, |best, c| if cost(c) < cost(best) { c } else { best })
+    let widths: &[u32] = if mma.is_some() { &[MOE_COLS, 2 * MOE_COLS] } else { &[MOE_COLS, 32, 16, 8] };
+    widths.iter().copied().fold(MOE_COLS, |best, c| if cost(c) < cost(best) { c } else { best })
 }
 
-/// Hidden columns per block of the down launch. The tensor-core path takes 64. The CUDA-core
-/// (decode) path picks 64 or 32 by [`candidate_us`] under `routing`: every block reads the
-/// whole `mid` (one row per routed pair: `inter` BF16 values, or with `mid_fp4` their codes and
-/// block scales, 9/16 B a value) and its columns of the routed experts' weights. At GLM-5 tp8
-/// batch 64, 64-wide blocks are 96 (half the GPU); 32-wide, 192 for 25 MB (BF16) or 7 MB
-/// (FP4) more of `mid` re-reads.
-pub fn down_cols(routing: &Experts, hidden: usize, inter: usize, mid_fp4: bool, mma: bool, consts: &Constants) -> u32 {
-    if mma {
-        return MOE_COLS;
-    }
-    let weights = routing.sum(|n| if n > 0.0 { 1.0 } else { 0.0 }) * hidden as f64 * inter as f64 * 9.0 / 16.0;
-    let mid = routing.sum(|n| n) * inter as f64 * if mid_fp4 { 9.0 / 16.0 } else { 2.0 };
+/// Threads of a gate/up block of `cols` columns: 8 warps, or on the tensor cores a warp per n8
+/// tile of gate and up.
+pub fn gate_up_threads(cols: u32, mma: bool) -> u32 {
+    if mma { cols / 8 * 32 } else { THREADS }
+}
+
+/// Hidden columns per block of the down launch, by [`candidate_us`] under `routing`: every
+/// block reads the whole `mid` (one row per routed pair: `inter` BF16 values, or with `mid_fp4`
+/// their codes and block scales, 9/16 B a value) and `scan` bytes of routing (its scans of the
+/// routing in global memory where they are not staged), and its columns of the routed experts'
+/// weights. The CUDA-core (decode) path picks 64 or 32 columns a block of 8 warps: at GLM-5 tp8
+/// batch 64, 64-wide blocks are 96 (half the GPU); 32-wide, 192 for 25 MB (BF16) or 7 MB (FP4)
+/// more of `mid` re-reads. The tensor-core (prefill) path takes an n8 tile a warp: 64 columns
+/// with 8 warps or 32 with 4 ([`down_threads`]); its weights are read once per group of `mma`
+/// tokens and its f32 sums read, added and written per routed pair, whatever the width.
+pub fn down_cols(routing: &Experts, hidden: usize, inter: usize, mid_fp4: bool, mma: Option<usize>, scan: f64, consts: &Constants) -> u32 {
+    let used = routing.sum(|n| if n > 0.0 { 1.0 } else { 0.0 });
+    let pairs = routing.sum(|n| n);
+    let (weights, acc) = match mma {
+        Some(g) => (routing.sum(|n| (n / g as f64).ceil()) * hidden as f64 * inter as f64 * 3.0 / 4.0, 2.0 * pairs * hidden as f64 * 4.0),
+        None => (used * hidden as f64 * inter as f64 * 9.0 / 16.0, 0.0),
+    };
+    let mid = pairs * inter as f64 * if mid_fp4 { 9.0 / 16.0 } else { 2.0 };
     let cost = |cols: u32| {
         let blocks = hidden.div_ceil(cols as usize) as f64;
-        candidate_us(weights, blocks * mid, 0.0, blocks, consts)
+        candidate_us(weights, blocks * (mid + scan) + acc, 0.0, blocks, consts)
     };
     [MOE_COLS, 32].into_iter().fold(MOE_COLS, |best, c| if cost(c) < cost(best) { c } else { best })
+}
+
+/// Threads of a down block of `cols` columns: 8 warps, or on the tensor cores a warp per n8 tile.
+pub fn down_threads(cols: u32, mma: bool) -> u32 {
+    if mma { cols / 8 * 32 } else { THREADS }
 }
 
 /// Tokens per group of a decode (CUDA-core) launch, at most `most` (what fits the shared
@@ -178,14 +207,18 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     // Decode shapes are costed under the uniform routing `kiln inspect --perf` assumes.
     let routing = uniform_experts(cx.plan, tokens);
     let x_bf16 = float_flag(p.buffer(input).dtype, "the input")?;
-    let gu_cols = gate_up_cols(&routing, inter, h, if x_bf16 == 1 { 2 } else { 4 }, mma, &cx.consts);
+    // every (expert, column tile) block scans the routing (COMPACT decode: fewer blocks, priced alike)
+    let gu_scan = (e * tokens * (top_k + 1) * 4) as f64;
+    let g_mma = mma_group(cx.arch, tokens, kc, cx.smem_limit);
+    let gu_cols = gate_up_cols(&routing, inter, h, if x_bf16 == 1 { 2 } else { 4 }, mma.then_some(g_mma), gu_scan, &cx.consts);
+    let gu_threads = gate_up_threads(gu_cols, mma);
     // Decode (both launches on the CUDA cores): gate/up quantises mid for down, each block its
     // columns (whole 16-value blocks), so down's blocks copy codes instead of each quantising
     // every row again (GLM-5 tp8 batch 64: 192 blocks read 74 KB of mid instead of 262 KB)
     let mma_dn = tokens > MOE_DECODE_TOKENS && inter % 64 == 0;
     let mid_fp4 = !mma && !mma_dn && gu_cols % 16 == 0;
     let g1 = if mma {
-        MMA_GROUP
+        g_mma
     } else {
         // a token's quantised row, and with MID_FP4 its staged values of the block's columns
         let row = h * 3 / 2 + if mid_fp4 { gu_cols as usize * 4 } else { 0 };
@@ -205,7 +238,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         unroll: if mma { 1 } else { loads_ahead(g1) },
         mma: mma as u32,
         kc: kc as u32,
-        threads: THREADS,
+        threads: gu_threads,
         x_bf16,
         compact: 0,
         mid_fp4: 0,
@@ -229,13 +262,23 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     };
     // Down: G rows of K = intermediate values (tensor cores for prefill, as gate/up).
     let kc_dn = mma_chunk(cx.arch, inter);
+    // (priced as gate/up's two parts of rows: down stages one, so it fits wherever those do)
     let g2n = if mma_dn {
-        MMA_GROUP
+        mma_group(cx.arch, tokens, kc_dn, cx.smem_limit)
     } else {
         let most = group_size(tokens, inter * 3 / 4, cx.smem_limit)?;
         decode_group(most, &routing, h as f64 * inter as f64 * 9.0 / 16.0, h as f64 * inter as f64 * 2.0, &cx.consts)
     };
-    let dn_cols = down_cols(&routing, h, inter, mid_fp4, mma_dn, &cx.consts);
+    // the routing's bytes each block scans: once to mark the used experts, and once per used
+    // expert unless the scans read the copy STAGE keeps in shared memory where it fits (decode;
+    // its size does not depend on the columns)
+    let stage_bytes = tokens * (top_k + 1) * 4;
+    let unstaged = MoeDownParams { arch: cx.arch, tokens: u(tokens)?, topk: u(top_k)?, experts: u(e)?, inter: u(inter)?, hidden: u(h)?, g: g2n as u32, cols: MOE_COLS, lanes: lanes(inter), unroll: 1, mma: mma_dn as u32, kc: kc_dn as u32, threads: THREADS, w_bf16: 0, out_bf16: 0, add: 0, add_bf16: 0, stage: 0, acc_smem: 0, mid_fp4: mid_fp4 as u32 };
+    let staged = unstaged.dynamic_smem()? as usize + stage_bytes + STATIC_SMEM <= cx.smem_limit as usize;
+    let used = routing.sum(|n| if n > 0.0 { 1.0 } else { 0.0 });
+    let scan = stage_bytes as f64 * if staged { 1.0 } else { 1.0 + used };
+    let dn_cols = down_cols(&routing, h, inter, mid_fp4, mma_dn.then_some(g2n), scan, &cx.consts);
+    let dn_threads = down_threads(dn_cols, mma_dn);
     let dn = MoeDownParams {
         arch: cx.arch,
         tokens: u(tokens)?,
@@ -249,18 +292,15 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         unroll: if mma_dn { 1 } else { loads_ahead(g2n) },
         mma: mma_dn as u32,
         kc: kc_dn as u32,
-        threads: THREADS,
+        threads: dn_threads,
         w_bf16: float_flag(p.buffer(weights).dtype, "the routing weights")?,
         out_bf16: float_flag(p.buffer(out).dtype, "the output")?,
         add: u32::from(shared.is_some()),
         add_bf16: shared.map_or(Ok(0), |s| float_flag(p.buffer(s).dtype, "the shared experts' output"))?,
-        stage: 1,
+        stage: staged as u32,
         acc_smem: 0,
         mid_fp4: mid_fp4 as u32,
     };
-    // every used expert's scan reads the routing from shared memory where it fits (decode)
-    let staged = dn.dynamic_smem()? as usize + STATIC_SMEM <= cx.smem_limit as usize;
-    let dn = MoeDownParams { stage: staged as u32, ..dn };
     // and the block's columns of acc live there too where they fit within the decode budget
     // (two blocks an SM): the sum over experts then never leaves the SM (GLM-5 tp8 batch 64:
     // 8 KiB a block instead of 25 MB of read-modify-writes per layer)
@@ -285,14 +325,15 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         super::fits(smem as usize + STATIC_SMEM, cx.smem_limit, "a MoE kernel")?;
     }
     Ok(vec![
-        of_grid(&gu, [u(if compact { slots } else { e })?, u(inter)?.div_ceil(gu_cols), 1], THREADS, gu_args.launch_args()),
-        of_grid(&dn, [u(h)?.div_ceil(dn_cols), 1, 1], THREADS, dn_args.launch_args()),
+        of_grid(&gu, [u(if compact { slots } else { e })?, u(inter)?.div_ceil(gu_cols), 1], gu_threads, gu_args.launch_args()),
+        of_grid(&dn, [u(h)?.div_ceil(dn_cols), 1, 1], dn_threads, dn_args.launch_args()),
     ])
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{decode_group, down_cols, gate_up_cols};
+    use super::{decode_group, down_cols, down_threads, gate_up_cols, gate_up_threads, mma_group};
+    use crate::passes::lower::SMEM_LIMIT;
     use kiln_runtime::perf::{Constants, Experts};
 
     #[test]
@@ -301,12 +342,25 @@ mod tests {
         // to ~225 experts (226 MB of weights); 96 blocks of 64 columns draw half the bandwidth,
         // 192 of 32 all of it for 25 MB more of mid.
         let (batch64, c) = (Experts::uniform(64, 8, 256, 256), Constants::SM120A);
-        assert_eq!(down_cols(&batch64, 6144, 256, false, false, &c), 32);
+        assert_eq!(down_cols(&batch64, 6144, 256, false, None, 0.0, &c), 32);
         // FP4 mid (7 MB more) only makes the narrower blocks cheaper
-        assert_eq!(down_cols(&batch64, 6144, 256, true, false, &c), 32);
-        // A GPU that 96 blocks fill keeps them; so does the tensor-core path.
-        assert_eq!(down_cols(&batch64, 6144, 256, false, false, &Constants { sms: 96, ..c }), 64);
-        assert_eq!(down_cols(&batch64, 6144, 256, false, true, &c), 64);
+        assert_eq!(down_cols(&batch64, 6144, 256, true, None, 0.0, &c), 32);
+        // A GPU that 96 blocks fill keeps them.
+        assert_eq!(down_cols(&batch64, 6144, 256, false, None, 0.0, &Constants { sms: 96, ..c }), 64);
+        // Prefill on the tensor cores: a 2,048-token chunk (256 experts, ~64 pairs each: 632
+        // groups of 32) reads 745 MB of weights and 805 MB of f32 sums whatever the width, and
+        // 8.4 MB of mid per block: 96 blocks move 2.36 GB at 96/188 of the bandwidth (4.63
+        // GB-equivalents), 192 of 4 warps 3.18 GB at all of it.
+        let chunk = Experts::uniform(2048, 8, 256, 256);
+        assert_eq!(down_cols(&chunk, 6144, 256, false, Some(32), 2048.0 * 9.0 * 4.0, &c), 32);
+        assert_eq!((down_threads(32, true), down_threads(64, true), down_threads(32, false)), (128, 256, 256));
+        // An 8,192-token chunk's routing (295 KB) is not staged: every block scans it once per
+        // used expert, 75.8 MB a block beside 33.6 MB of mid; 96 blocks 16.3 GB (31.9
+        // GB-equivalents), 192 blocks 26.8 GB: still the narrower ones.
+        let long = Experts::uniform(8192, 8, 256, 256);
+        assert_eq!(down_cols(&long, 6144, 256, false, Some(32), 8192.0 * 9.0 * 4.0 * 257.0, &c), 32);
+        // Without the scans' and the sums' bytes the wider blocks' idle SMs cost less only on a GPU they fill.
+        assert_eq!(down_cols(&chunk, 6144, 256, false, Some(32), 0.0, &Constants { sms: 96, ..c }), 64);
     }
 
     #[test]
@@ -328,11 +382,29 @@ mod tests {
         // GLM-5 tp8, 188 SMs, uniform routing. Batch 1: 8 experts x 256 columns; 64-wide blocks are 32 working
         // blocks (14.5 MB at 32/188), 8-wide 256 (17.3 MB at full bandwidth).
         let (routed, c) = (|tokens| Experts::uniform(tokens, 8, 256, 256), Constants::SM120A);
-        assert_eq!(gate_up_cols(&routed(1), 256, 6144, 2, false, &c), 8);
+        let scan = |tokens: usize| (256 * tokens * 9 * 4) as f64;
+        assert_eq!(gate_up_cols(&routed(1), 256, 6144, 2, None, scan(1), &c), 8);
         // Batch 64: 256 experts with about 2 tokens each already fill the GPU at 64 columns;
         // narrower blocks would only re-read the activations.
-        assert_eq!(gate_up_cols(&routed(64), 256, 6144, 2, false, &c), 64);
-        // The tensor-core path needs an n8 tile per warp.
-        assert_eq!(gate_up_cols(&routed(8192), 256, 6144, 2, true, &c), 64);
+        assert_eq!(gate_up_cols(&routed(64), 256, 6144, 2, None, scan(64), &c), 64);
+        // Prefill on the tensor cores: a 2,048-token chunk reads 1.49 GB of gate and up rows
+        // (632 groups of 32 tokens) whatever the width, its 16,384 routed rows of x (12 KB each)
+        // once per column tile, and the routing (18.9 MB a tile): 64-wide tiles 2.37 GB, 128-wide
+        // (16 warps) 1.93 GB, both over 256 experts' blocks and more.
+        assert_eq!(gate_up_cols(&routed(2048), 256, 6144, 2, Some(32), scan(2048), &c), 128);
+        assert_eq!((gate_up_threads(128, true), gate_up_threads(64, true), gate_up_threads(8, false)), (512, 256, 256));
+    }
+
+    #[test]
+    fn prefill_groups_take_64_tokens_where_both_parts_fit() {
+        // sm_120a, K = 6144 in chunks of 1024: a quantised row of a chunk is 512 B of codes, 16
+        // of padding and 64 of scales, 592; two parts of 64 rows are 75,776 B, beside the token
+        // list (2 B a token, in 16-byte steps) and the 1 KiB kept for static shared memory,
+        // within 99 KiB up to 12,288 tokens. sm_90a (the same limit) keeps f16 values (2 B each)
+        // of chunks of 256: 65,536 B.
+        assert_eq!(mma_group(120, 8192, 1024, SMEM_LIMIT), 64);
+        assert_eq!(mma_group(120, 12_288, 1024, SMEM_LIMIT), 64);
+        assert_eq!(mma_group(120, 12_296, 1024, SMEM_LIMIT), 32);
+        assert_eq!(mma_group(90, 8192, 256, SMEM_LIMIT), 64);
     }
 }
