@@ -346,82 +346,63 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
         assert!(g.read(bmid_c) == quant, "MID_FP4 gate/up over {slots} compact blocks differs from one block per expert");
         bmid_f
     });
+    // another form of the gate/up launch (`blocks_x` blocks along x, the rest from its columns
+    // and threads) into a mid of its own: that mid
+    let gate_up_variant = |g: &mut GlobalMemory, v: MoeGateUpParams, blocks_x: u32, name: &str| -> Vec<u8> {
+        let m = Module::parse(&v.render().unwrap(), "moe_gate_up.ptx").unwrap();
+        let mid = g.alloc(&format!("mid_{name}"), c.tokens * sh.top_k * inter * 2);
+        let mut args = args1.clone();
+        args[7] = KernelArg::U64(g.addr(mid));
+        launch(&m, MoeGateUpParams::ENTRY, [blocks_x, (inter as u32).div_ceil(v.cols), 1], [v.threads, 1, 1], v.dynamic_smem().unwrap(), &args, g).unwrap();
+        g.read(mid)
+    };
     if c.mma {
         // Prefill's 128-column blocks of 16 warps (`gate_up_cols`, `gate_up_threads`: half the
-        // reads of the activations), an n8 tile of gate and up a warp, write the 8-warp bits.
-        let wide = MoeGateUpParams { cols: 128, threads: gate_up_threads(128, true), ..pg };
-        let mw = Module::parse(&wide.render().unwrap(), "moe_gate_up.ptx").unwrap();
-        let bmid128 = g.alloc("mid128", c.tokens * sh.top_k * inter * 2);
-        let mut args128 = args1.clone();
-        args128[7] = KernelArg::U64(g.addr(bmid128));
-        launch(&mw, MoeGateUpParams::ENTRY, [el as u32, (inter as u32).div_ceil(128), 1], [wide.threads, 1, 1], wide.dynamic_smem().unwrap(), &args128, &mut g).unwrap();
-        assert!(g.read(bmid128) == g.read(bmid), "gate/up on the tensor cores with 128 columns per block of 16 warps differs from {COLS} of 8");
-        // Groups of 64 tokens (`mma_group`: four m16 tiles, the weights read once per 64) write
-        // the bits of groups of 32.
-        let g64 = MoeGateUpParams { g: 64, ..pg };
-        let m64 = Module::parse(&g64.render().unwrap(), "moe_gate_up.ptx").unwrap();
-        let bmid64 = g.alloc("mid_g64", c.tokens * sh.top_k * inter * 2);
-        let mut args64 = args1.clone();
-        args64[7] = KernelArg::U64(g.addr(bmid64));
-        launch(&m64, MoeGateUpParams::ENTRY, grid1, [THREADS, 1, 1], g64.dynamic_smem().unwrap(), &args64, &mut g).unwrap();
-        assert!(g.read(bmid64) == g.read(bmid), "gate/up on the tensor cores in groups of 64 tokens differs from groups of 32");
-    }
-    if !c.mma {
+        // reads of the activations), an n8 tile of gate and up a warp, write the 8-warp bits; so
+        // do groups of 64 tokens (`mma_group`: four m16 tiles, the weights read once per 64)
+        let wide = gate_up_variant(&mut g, MoeGateUpParams { cols: 128, threads: gate_up_threads(128, true), ..pg }, el as u32, "warps16");
+        assert!(wide == g.read(bmid), "gate/up on the tensor cores with 128 columns per block of 16 warps differs from {COLS} of 8");
+        let g64 = gate_up_variant(&mut g, MoeGateUpParams { g: 64, ..pg }, el as u32, "g64");
+        assert!(g64 == g.read(bmid), "gate/up on the tensor cores in groups of 64 tokens differs from groups of 32");
+    } else {
         // Decode's narrower blocks (as `gate_up_cols` picks at batch 1: one column per warp),
         // loading one block ahead instead of four, compute every column as the 64-wide ones do.
-        let narrow = MoeGateUpParams { cols: 8, unroll: 1, ..pg };
-        let mn = Module::parse(&narrow.render().unwrap(), "moe_gate_up.ptx").unwrap();
-        let bmid8 = g.alloc("mid8", c.tokens * sh.top_k * inter * 2);
-        let mut args8 = args1.clone();
-        args8[7] = KernelArg::U64(g.addr(bmid8));
-        launch(&mn, MoeGateUpParams::ENTRY, [el as u32, (inter as u32).div_ceil(8), 1], [THREADS, 1, 1], narrow.dynamic_smem().unwrap(), &args8, &mut g).unwrap();
-        assert!(g.read(bmid8) == g.read(bmid), "gate/up with 8 columns per block, unroll 1, differs from {COLS}, unroll 4");
+        let narrow = gate_up_variant(&mut g, MoeGateUpParams { cols: 8, unroll: 1, ..pg }, el as u32, "cols8");
+        assert!(narrow == g.read(bmid), "gate/up with 8 columns per block, unroll 1, differs from {COLS}, unroll 4");
         // COMPACT (decode with fewer routed pairs than experts): only as many blocks along x as
         // pairs (or experts), block x finding the x-th expert that got a token, writes the same
         // bits (every routed pair's row of mid; experts of other ranks and padding ignored)
         let compact = MoeGateUpParams { compact: 1, ..pg };
         assert!(compact.dynamic_smem().unwrap() as usize >= 4 * (el + 1), "the flags fit the token list's region");
-        let mc = Module::parse(&compact.render().unwrap(), "moe_gate_up.ptx").unwrap();
-        let bmid_c = g.alloc("mid_compact", c.tokens * sh.top_k * inter * 2);
-        let mut args_c = args1.clone();
-        args_c[7] = KernelArg::U64(g.addr(bmid_c));
         let slots = (c.tokens * sh.top_k).min(el) as u32;
-        launch(&mc, MoeGateUpParams::ENTRY, [slots, (inter as u32).div_ceil(COLS), 1], [THREADS, 1, 1], compact.dynamic_smem().unwrap(), &args_c, &mut g).unwrap();
-        assert!(g.read(bmid_c) == g.read(bmid), "gate/up over {slots} compact blocks differs from one block per expert");
+        let compacted = gate_up_variant(&mut g, compact, slots, "compact");
+        assert!(compacted == g.read(bmid), "gate/up over {slots} compact blocks differs from one block per expert");
     }
     let s2 = launch(&md, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(COLS), 1, 1], [THREADS, 1, 1], pd.dynamic_smem().unwrap(), &args2, &mut g).unwrap();
+    // another form of the down launch (its blocks from its columns and threads) into an acc and
+    // an out of its own: that out
+    let down_variant = |g: &mut GlobalMemory, v: MoeDownParams, name: &str| -> Vec<u8> {
+        let m = Module::parse(&v.render().unwrap(), "moe_down.ptx").unwrap();
+        let (acc, out) = (g.alloc(&format!("acc_{name}"), c.tokens * sh.hidden * 4), g.alloc(&format!("out_{name}"), c.tokens * sh.hidden * 2));
+        let mut args = args2.clone();
+        args[8] = KernelArg::U64(g.addr(acc));
+        args[9] = KernelArg::U64(g.addr(out));
+        launch(&m, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(v.cols), 1, 1], [v.threads, 1, 1], v.dynamic_smem().unwrap(), &args, g).unwrap();
+        g.read(out)
+    };
     if !mma_dn {
         // Decode's 32-column down blocks (`down_cols`), loading 3 blocks ahead, write the
         // 64-column result bit for bit.
-        let narrow = MoeDownParams { cols: 32, unroll: 3, ..pd };
-        let mn = Module::parse(&narrow.render().unwrap(), "moe_down.ptx").unwrap();
-        let (bacc32, bout32) = (g.alloc("acc32", c.tokens * sh.hidden * 4), g.alloc("out32", c.tokens * sh.hidden * 2));
-        let mut args32 = args2.clone();
-        args32[8] = KernelArg::U64(g.addr(bacc32));
-        args32[9] = KernelArg::U64(g.addr(bout32));
-        launch(&mn, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(32), 1, 1], [THREADS, 1, 1], narrow.dynamic_smem().unwrap(), &args32, &mut g).unwrap();
-        assert!(g.read(bout32) == g.read(bout), "down with 32 columns per block, unroll 3, differs from {COLS}, unroll 4");
+        let narrow = down_variant(&mut g, MoeDownParams { cols: 32, unroll: 3, ..pd }, "cols32");
+        assert!(narrow == g.read(bout), "down with 32 columns per block, unroll 3, differs from {COLS}, unroll 4");
     } else {
         // Prefill's 32-column blocks of 4 warps (`down_cols`, `down_threads`: 192 blocks where
         // GLM-5's 96 of 64 columns leave half the SMs idle), an n8 tile a warp, write the
-        // 8-warp result bit for bit.
-        let narrow = MoeDownParams { cols: 32, threads: down_threads(32, true), ..pd };
-        let mn = Module::parse(&narrow.render().unwrap(), "moe_down.ptx").unwrap();
-        let (bacc32, bout32) = (g.alloc("acc32", c.tokens * sh.hidden * 4), g.alloc("out32", c.tokens * sh.hidden * 2));
-        let mut args32 = args2.clone();
-        args32[8] = KernelArg::U64(g.addr(bacc32));
-        args32[9] = KernelArg::U64(g.addr(bout32));
-        launch(&mn, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(32), 1, 1], [narrow.threads, 1, 1], narrow.dynamic_smem().unwrap(), &args32, &mut g).unwrap();
-        assert!(g.read(bout32) == g.read(bout), "down on the tensor cores with 32 columns per block of 4 warps differs from {COLS} of 8");
-        // ... and in groups of 64 tokens
-        let g64 = MoeDownParams { g: 64, ..pd };
-        let m64 = Module::parse(&g64.render().unwrap(), "moe_down.ptx").unwrap();
-        let (bacc64, bout64) = (g.alloc("acc_g64", c.tokens * sh.hidden * 4), g.alloc("out_g64", c.tokens * sh.hidden * 2));
-        let mut args64 = args2.clone();
-        args64[8] = KernelArg::U64(g.addr(bacc64));
-        args64[9] = KernelArg::U64(g.addr(bout64));
-        launch(&m64, MoeDownParams::ENTRY, [(sh.hidden as u32).div_ceil(COLS), 1, 1], [THREADS, 1, 1], g64.dynamic_smem().unwrap(), &args64, &mut g).unwrap();
-        assert!(g.read(bout64) == g.read(bout), "down on the tensor cores in groups of 64 tokens differs from groups of 32");
+        // 8-warp result bit for bit; so do groups of 64 tokens (`mma_group`)
+        let narrow = down_variant(&mut g, MoeDownParams { cols: 32, threads: down_threads(32, true), ..pd }, "warps4");
+        assert!(narrow == g.read(bout), "down on the tensor cores with 32 columns per block of 4 warps differs from {COLS} of 8");
+        let g64 = down_variant(&mut g, MoeDownParams { g: 64, ..pd }, "g64");
+        assert!(g64 == g.read(bout), "down on the tensor cores in groups of 64 tokens differs from groups of 32");
     }
     if let Some(bmid_f) = mid_fp4 {
         // ... and down copying those codes writes the bits of down quantising the BF16 rows
