@@ -564,15 +564,11 @@ pub fn top(plan: &Plan, k: &Constants, step: TopStep, context: usize, count: usi
         }
         TopStep::Prefill { chunk } => {
             let chunk = chunk.max(1);
-            let p = plan
-                .programs
-                .iter()
-                .filter(|p| matches!(p.kind, ProgramKind::Prefill { .. }) && p.tokens >= chunk)
-                .min_by_key(|p| p.tokens)
-                .ok_or_else(|| {
-                    let largest = plan.programs.iter().filter(|p| matches!(p.kind, ProgramKind::Prefill { .. })).map(|p| p.tokens).max();
-                    format!("the plan has no prefill program for a chunk of {chunk} tokens (its largest chunk: {})", largest.map_or("none".into(), |t| t.to_string()))
-                })?;
+            // the smallest program holding the chunk, else the largest: a chunk it does not hold
+            let p = plan.prefill_program(chunk).map(|i| &plan.programs[i]).ok_or("the plan has no prefill program")?;
+            if p.tokens < chunk {
+                return Err(format!("the plan has no prefill program for a chunk of {chunk} tokens (its largest chunk: {})", p.tokens));
+            }
             let context = context.max(chunk);
             (p, Load::prefill(p.tokens, chunk, context - chunk, experts, plan.ranks()), 1, chunk, context)
         }

@@ -269,16 +269,6 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         let most = group_size(tokens, inter * 3 / 4, cx.smem_limit)?;
         decode_group(most, &routing, h as f64 * inter as f64 * 9.0 / 16.0, h as f64 * inter as f64 * 2.0, &cx.consts)
     };
-    // the routing's bytes each block scans: once to mark the used experts, and once per used
-    // expert unless the scans read the copy STAGE keeps in shared memory where it fits (decode;
-    // its size does not depend on the columns)
-    let stage_bytes = tokens * (top_k + 1) * 4;
-    let unstaged = MoeDownParams { arch: cx.arch, tokens: u(tokens)?, topk: u(top_k)?, experts: u(e)?, inter: u(inter)?, hidden: u(h)?, g: g2n as u32, cols: MOE_COLS, lanes: lanes(inter), unroll: 1, mma: mma_dn as u32, kc: kc_dn as u32, threads: THREADS, w_bf16: 0, out_bf16: 0, add: 0, add_bf16: 0, stage: 0, acc_smem: 0, mid_fp4: mid_fp4 as u32 };
-    let staged = unstaged.dynamic_smem()? as usize + stage_bytes + STATIC_SMEM <= cx.smem_limit as usize;
-    let used = routing.sum(|n| if n > 0.0 { 1.0 } else { 0.0 });
-    let scan = stage_bytes as f64 * if staged { 1.0 } else { 1.0 + used };
-    let dn_cols = down_cols(&routing, h, inter, mid_fp4, mma_dn.then_some(g2n), scan, &cx.consts);
-    let dn_threads = down_threads(dn_cols, mma_dn);
     let dn = MoeDownParams {
         arch: cx.arch,
         tokens: u(tokens)?,
@@ -287,20 +277,28 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         inter: u(inter)?,
         hidden: u(h)?,
         g: g2n as u32,
-        cols: dn_cols,
+        cols: MOE_COLS,
         lanes: lanes(inter),
         unroll: if mma_dn { 1 } else { loads_ahead(g2n) },
         mma: mma_dn as u32,
         kc: kc_dn as u32,
-        threads: dn_threads,
+        threads: THREADS,
         w_bf16: float_flag(p.buffer(weights).dtype, "the routing weights")?,
         out_bf16: float_flag(p.buffer(out).dtype, "the output")?,
         add: u32::from(shared.is_some()),
         add_bf16: shared.map_or(Ok(0), |s| float_flag(p.buffer(s).dtype, "the shared experts' output"))?,
-        stage: staged as u32,
+        stage: 1,
         acc_smem: 0,
         mid_fp4: mid_fp4 as u32,
     };
+    // every used expert's scan reads the routing from shared memory where it fits (decode; its
+    // size does not depend on the columns), else from global memory: the bytes each block scans
+    // (once to mark the used experts, once per used expert unstaged) price the columns
+    let staged = dn.dynamic_smem()? as usize + STATIC_SMEM <= cx.smem_limit as usize;
+    let used = routing.sum(|n| if n > 0.0 { 1.0 } else { 0.0 });
+    let scan = (tokens * (top_k + 1) * 4) as f64 * if staged { 1.0 } else { 1.0 + used };
+    let dn_cols = down_cols(&routing, h, inter, mid_fp4, mma_dn.then_some(g2n), scan, &cx.consts);
+    let dn = MoeDownParams { cols: dn_cols, threads: down_threads(dn_cols, mma_dn), stage: staged as u32, ..dn };
     // and the block's columns of acc live there too where they fit within the decode budget
     // (two blocks an SM): the sum over experts then never leaves the SM (GLM-5 tp8 batch 64:
     // 8 KiB a block instead of 25 MB of read-modify-writes per layer)
@@ -326,7 +324,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     }
     Ok(vec![
         of_grid(&gu, [u(if compact { slots } else { e })?, u(inter)?.div_ceil(gu_cols), 1], gu_threads, gu_args.launch_args()),
-        of_grid(&dn, [u(h)?.div_ceil(dn_cols), 1, 1], dn_threads, dn_args.launch_args()),
+        of_grid(&dn, [u(h)?.div_ceil(dn_cols), 1, 1], dn.threads, dn_args.launch_args()),
     ])
 }
 
