@@ -719,6 +719,30 @@ fn decode_projections_of_the_same_activations_are_one_launch() {
 }
 
 #[test]
+fn moe_down_scans_its_routing_in_shared_memory_in_every_program() {
+    use kiln_runtime::plan::read_plan;
+    // the shipped GLM-5 plan (tp 8, 256 local experts, top-8): every MoE down launch, the
+    // 8,192-token chunk's included, stages the routing (9 bits a pair: 73.7 KB there, beside
+    // groups of 64 tokens within the 99 KiB), so its blocks read the routing once each, not once
+    // per used expert (76 MB a block, 26.6 GB a layer before)
+    let art = Path::new(env!("CARGO_MANIFEST_DIR")).join("artifacts/GLM-5-NVFP4-sm120a-tp8");
+    let plan = read_plan(&art).unwrap();
+    let mut programs = std::collections::BTreeSet::new();
+    for p in &plan.programs {
+        for l in p.steps.iter().flat_map(|s| &s.launches).flat_map(|l| plan.part_launches(l)) {
+            let k = plan.kernel(l.kernel);
+            if k.template != "moe_down" {
+                continue;
+            }
+            let param = |n: &str| k.params.iter().find(|(name, _)| name == n).map(|(_, v)| *v);
+            assert_eq!(param("STAGE"), Some(1), "{}: {}", p.name, k.name);
+            programs.insert(p.name.clone());
+        }
+    }
+    assert_eq!(programs.len(), plan.programs.len(), "a MoE down launch in every program: {programs:?}");
+}
+
+#[test]
 fn attention_absorbs_kv_b_once_per_step_in_prefill_as_in_decode() {
     use kiln_runtime::plan::{attention_splits_cap, read_plan, Op};
     // the shipped GLM-5 plan (tp 8): every attention, prefill chunks too, takes the split form:

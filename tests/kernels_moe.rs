@@ -164,11 +164,13 @@ struct Routing {
 }
 
 /// Distinct random experts per token; tokens 0..share all pick expert 5 (one expert, several
-/// tokens); padding tokens keep (valid) ids that must be ignored.
+/// tokens; of 256 experts, 255: the id a padding token's unwritten bytes in down's staged
+/// routing read as, 0xFF); padding tokens keep (valid) ids that must be ignored.
 fn routing(sh: Shape, rng: &mut Rng, tokens: usize, padding: &[usize], share: usize) -> Routing {
     let mut ids = Vec::new();
     for t in 0..tokens {
-        let mut chosen: Vec<i32> = if t < share { vec![5] } else { vec![] };
+        let shared = if sh.experts == 256 { 255 } else { 5 };
+        let mut chosen: Vec<i32> = if t < share { vec![shared] } else { vec![] };
         while chosen.len() < sh.top_k {
             let e = (rng.next_u64() % sh.experts as u64) as i32;
             if !chosen.contains(&e) {
@@ -294,6 +296,9 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
     let bd2 = g.alloc_f32("down_scale_2", &dn.scale_2);
     let bdi = g.alloc_f32("down_input_scale", &dn.input_scale);
     let bmid = g.alloc("mid", c.tokens * sh.top_k * inter * 2);
+    // the rows gate/up does not write (padding tokens, other ranks' experts) are NaN, so a down
+    // that reads one shows in its output, as stale data would on a GPU
+    g.fill(bmid, 0, c.tokens * sh.top_k * inter * 2, 0xFF);
     let bacc = g.alloc("acc", c.tokens * sh.hidden * 4);
     let bout = g.alloc("out", c.tokens * sh.hidden * 2);
     let a = |b| KernelArg::U64(g.addr(b));
@@ -351,6 +356,7 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
     let gate_up_variant = |g: &mut GlobalMemory, v: MoeGateUpParams, blocks_x: u32, name: &str| -> Vec<u8> {
         let m = Module::parse(&v.render().unwrap(), "moe_gate_up.ptx").unwrap();
         let mid = g.alloc(&format!("mid_{name}"), c.tokens * sh.top_k * inter * 2);
+        g.fill(mid, 0, c.tokens * sh.top_k * inter * 2, 0xFF);
         let mut args = args1.clone();
         args[7] = KernelArg::U64(g.addr(mid));
         launch(&m, MoeGateUpParams::ENTRY, [blocks_x, (inter as u32).div_ceil(v.cols), 1], [v.threads, 1, 1], v.dynamic_smem().unwrap(), &args, g).unwrap();
@@ -546,6 +552,23 @@ fn prefill_moe_on_the_tensor_cores_matches_the_cpu() {
 }
 
 #[test]
+fn staged_down_skips_pairs_by_their_valid_bits_at_256_local_experts() {
+    // With 256 local experts every byte of down's staged routing is an expert id, so only the
+    // valid bits tell a pair to skip: a padding token's (its bytes never written: 0xFF in the
+    // emulator, stale data on a GPU; tokens 0 and 1 route to 255, token 2 is padding), and under
+    // EP with 512 experts another rank's (expert 256 + e wraps to the byte of local expert e),
+    // whose mid rows this rank's gate/up never writes.
+    let wide = Shape { hidden: 64, inter: 64, experts: 256, top_k: 8 };
+    let tp1 = Split::Tp { tp: 1, rank: 0 };
+    for (i, (tokens, mma)) in [(17, false), (40, true)].into_iter().enumerate() {
+        let c = Case { shape: wide, tokens, padding: vec![2, 9], share: 3, split: tp1, group: None, lanes: None, mma, x_bf16: true, w_bf16: false, split_scales: false };
+        run_both(&c, 90 + i as u64);
+        let ep = Case { shape: Shape { experts: 512, ..wide }, split: Split::Ep { ranks: 2, rank: 0 }, ..c };
+        run_both(&ep, 92 + i as u64);
+    }
+}
+
+#[test]
 fn moe_of_only_padding_is_zero() {
     let c = Case { shape: TINY, tokens: 3, padding: vec![0, 1, 2], share: 0, split: Split::Tp { tp: 1, rank: 0 }, group: None, lanes: None, mma: false, x_bf16: true, w_bf16: false, split_scales: false };
     run_both(&c, 7);
@@ -578,9 +601,9 @@ fn glm5_decode_moe_reads_the_selected_experts_once() {
 }
 
 /// The down launch with the routing (and acc, within the decode budget) in shared memory where it fits, as lowering does it
-/// (1 KiB left for the static arrays).
+/// (1 KiB left for the static arrays; byte expert ids and a token's bits in a word).
 fn staged_where_it_fits(dn: MoeDownParams) -> MoeDownParams {
-    let fits = dn.dynamic_smem().unwrap() as usize + 1024 <= SMEM_LIMIT as usize;
+    let fits = dn.experts <= 256 && dn.topk <= 32 && MoeDownParams { stage: 1, ..dn }.dynamic_smem().unwrap() as usize + 1024 <= SMEM_LIMIT as usize;
     let dn = MoeDownParams { stage: fits as u32, ..dn };
     // acc in shared memory within the decode budget (half, for two blocks an SM)
     let with_acc = MoeDownParams { acc_smem: 1, ..dn };

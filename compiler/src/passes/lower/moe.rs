@@ -291,10 +291,13 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         acc_smem: 0,
         mid_fp4: mid_fp4 as u32,
     };
-    // every used expert's scan reads the routing from shared memory where it fits (decode; its
-    // size does not depend on the columns), else from global memory: the bytes each block scans
-    // (once to mark the used experts, once per used expert unstaged) price the columns
-    let staged = dn.dynamic_smem()? as usize + STATIC_SMEM <= cx.smem_limit as usize;
+    // every used expert's scan reads the routing from shared memory where it fits (9 bits a
+    // pair: up to 8,192 tokens of GLM-5 beside groups of 64; its size does not depend on the
+    // columns) and its byte ids and a token's bits in a u32 can hold it, else from global memory: the
+    // bytes each block scans (once to mark the used experts, once per used expert unstaged)
+    // price the columns
+    let stageable = e <= 256 && top_k <= 32;
+    let staged = stageable && dn.dynamic_smem()? as usize + STATIC_SMEM <= cx.smem_limit as usize;
     let used = routing.sum(|n| if n > 0.0 { 1.0 } else { 0.0 });
     let scan = (tokens * (top_k + 1) * 4) as f64 * if staged { 1.0 } else { 1.0 + used };
     let dn_cols = down_cols(&routing, h, inter, mid_fp4, mma_dn.then_some(g2n), scan, &cx.consts);
@@ -352,10 +355,11 @@ mod tests {
         let chunk = Experts::uniform(2048, 8, 256, 256);
         assert_eq!(down_cols(&chunk, 6144, 256, false, Some(32), 2048.0 * 9.0 * 4.0, &c), 32);
         assert_eq!((down_threads(32, true), down_threads(64, true), down_threads(32, false)), (128, 256, 256));
-        // An 8,192-token chunk's routing (295 KB) is not staged: every block scans it once per
-        // used expert, 75.8 MB a block beside 33.6 MB of mid; 96 blocks 16.3 GB (31.9
-        // GB-equivalents), 192 blocks 26.8 GB: still the narrower ones.
+        // An 8,192-token chunk's routing, staged (9 bits a pair: 73.7 KB), is read once a block
+        // beside 33.6 MB of mid; unstaged, every block would scan it once per used expert, 75.8
+        // MB a block. The narrower blocks win either way.
         let long = Experts::uniform(8192, 8, 256, 256);
+        assert_eq!(down_cols(&long, 6144, 256, false, Some(64), 8192.0 * 9.0 * 4.0, &c), 32);
         assert_eq!(down_cols(&long, 6144, 256, false, Some(32), 8192.0 * 9.0 * 4.0 * 257.0, &c), 32);
         // Without the scans' and the sums' bytes the wider blocks' idle SMs cost less only on a GPU they fill.
         assert_eq!(down_cols(&chunk, 6144, 256, false, Some(32), 0.0, &Constants { sms: 96, ..c }), 64);
