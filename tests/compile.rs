@@ -719,24 +719,37 @@ fn decode_projections_of_the_same_activations_are_one_launch() {
 }
 
 #[test]
-fn moe_down_scans_its_routing_in_shared_memory_in_every_program() {
+fn moe_launches_stage_the_routing_and_pass_prefill_mid_as_fp4_codes() {
     use kiln_runtime::plan::read_plan;
     // the shipped GLM-5 plan (tp 8, 256 local experts, top-8): every MoE down launch, the
     // 8,192-token chunk's included, stages the routing (9 bits a pair: 73.7 KB there, beside
     // groups of 64 tokens within the 99 KiB), so its blocks read the routing once each, not once
-    // per used expert (76 MB a block, 26.6 GB a layer before)
+    // per used expert (76 MB a block, 26.6 GB a layer before); a layer's gate/up and down agree
+    // on mid's format, and every prefill chunk passes it as FP4 codes and block scales (9/16 B a
+    // value where each of down's 192 blocks read 2)
     let art = Path::new(env!("CARGO_MANIFEST_DIR")).join("artifacts/GLM-5-NVFP4-sm120a-tp8");
     let plan = read_plan(&art).unwrap();
     let mut programs = std::collections::BTreeSet::new();
     for p in &plan.programs {
+        // MID_FP4 of the gate/up and the down launches, in the program's order (a layer's
+        // gate/up may be merged into an earlier step's launch)
+        let (mut gate_up, mut down) = (Vec::new(), Vec::new());
         for l in p.steps.iter().flat_map(|s| &s.launches).flat_map(|l| plan.part_launches(l)) {
             let k = plan.kernel(l.kernel);
-            if k.template != "moe_down" {
-                continue;
-            }
             let param = |n: &str| k.params.iter().find(|(name, _)| name == n).map(|(_, v)| *v);
-            assert_eq!(param("STAGE"), Some(1), "{}: {}", p.name, k.name);
-            programs.insert(p.name.clone());
+            match k.template.as_str() {
+                "moe_down" => {
+                    assert_eq!(param("STAGE"), Some(1), "{}: {}", p.name, k.name);
+                    down.push(param("MID_FP4").unwrap());
+                    programs.insert(p.name.clone());
+                }
+                "moe_gate_up" => gate_up.push(param("MID_FP4").unwrap()),
+                _ => {}
+            }
+        }
+        assert_eq!(gate_up, down, "{}: MID_FP4 of the gate/up and down launches", p.name);
+        if p.name.starts_with("prefill") {
+            assert!(down.iter().all(|&f| f == 1), "{}: MID_FP4 {down:?}", p.name);
         }
     }
     assert_eq!(programs.len(), plan.programs.len(), "a MoE down launch in every program: {programs:?}");

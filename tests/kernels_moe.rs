@@ -307,11 +307,15 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
     let args2 = vec![a(bmid), a(bids), a(bseq), a(brw), a(bdw), a(bds), a(bd2), a(bdi), a(bacc), a(bout), a(bout), first_arg];
     let grid1 = [el as u32, (inter as u32).div_ceil(COLS), 1];
     let s1 = launch(&mg, MoeGateUpParams::ENTRY, grid1, [THREADS, 1, 1], pg.dynamic_smem().unwrap(), &args1, &mut g).unwrap();
-    // MID_FP4 (decode): gate/up writes mid quantised for down, codes then block scales, every
-    // 16-value block as the CPU quantises the BF16 row with the down projection's input_scale
-    // (codes compared where the scale is not 0: a zero scale zeroes the block whatever its
-    // codes); unwritten bytes stay 0xFF, an e4m3 NaN
-    let mid_fp4 = (!c.mma).then(|| {
+    // MID_FP4: gate/up writes mid quantised for down, codes then block scales, every 16-value
+    // block as the CPU quantises the BF16 row with the down projection's input_scale (codes
+    // compared where the scale is not 0: a zero scale zeroes the block whatever its codes);
+    // unwritten bytes stay 0xFF, an e4m3 NaN. On the tensor cores (prefill) the group's values
+    // are staged over the parts' rows, where they must fit (as lowering checks), and down copies
+    // the codes on sm_120a only.
+    let parts_row = if arch == 90 { pg.kc as usize * 2 } else { pg.kc as usize / 2 + 16 + pg.kc as usize / 16 };
+    let fp4_fits = !c.mma || (COLS as usize * 4 <= 2 * parts_row && (!mma_dn || arch == 120));
+    let mid_fp4 = fp4_fits.then(|| {
         let fp4 = MoeGateUpParams { mid_fp4: 1, ..pg };
         let mf = Module::parse(&fp4.render().unwrap(), "moe_gate_up.ptx").unwrap();
         let bytes = c.tokens * sh.top_k * inter * 2;
@@ -340,6 +344,9 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
             }
         }
         assert!(blocks > 0 || r.token_seq.iter().all(|&t| t < 0) || el == 0, "no routed block checked");
+        if c.mma {
+            return bmid_f;
+        }
         // COMPACT blocks (as lowering pairs them at batches 2 to 16) write the same bytes
         let compact = MoeGateUpParams { compact: 1, ..fp4 };
         let mc = Module::parse(&compact.render().unwrap(), "moe_gate_up.ptx").unwrap();
@@ -370,6 +377,11 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
         assert!(wide == g.read(bmid), "gate/up on the tensor cores with 128 columns per block of 16 warps differs from {COLS} of 8");
         let g64 = gate_up_variant(&mut g, MoeGateUpParams { g: 64, ..pg }, el as u32, "g64");
         assert!(g64 == g.read(bmid), "gate/up on the tensor cores in groups of 64 tokens differs from groups of 32");
+        if let Some(bmid_f) = mid_fp4 {
+            // and so does MID_FP4's, staging 64 rows of values over the parts' rows
+            let g64 = gate_up_variant(&mut g, MoeGateUpParams { g: 64, mid_fp4: 1, ..pg }, el as u32, "g64_fp4");
+            assert!(g64 == g.read(bmid_f), "MID_FP4 gate/up on the tensor cores in groups of 64 tokens differs from groups of 32");
+        }
     } else {
         // Decode's narrower blocks (as `gate_up_cols` picks at batch 1: one column per warp),
         // loading one block ahead instead of four, compute every column as the 64-wide ones do.
@@ -625,7 +637,7 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
             let g1 = if mma { g_mma } else { group(tokens, hidden * 3 / 2 + if cols % 16 == 0 { cols as usize * 4 } else { 0 }) };
             let g2 = if mma { mma_group(arch, tokens, mma_chunk(arch, inter), SMEM_LIMIT) } else { group(tokens, inter * 3 / 4) };
             // loads ahead as the lowering picks them (four at G <= 4 would spill at larger G)
-            let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), unroll: loads_ahead(g1), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: gate_up_threads(cols, mma), x_bf16: 1, compact: (!mma && tokens * top_k < experts) as u32, mid_fp4: (!mma && cols % 16 == 0) as u32 };
+            let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), unroll: loads_ahead(g1), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: gate_up_threads(cols, mma), x_bf16: 1, compact: (!mma && tokens * top_k < experts) as u32, mid_fp4: (cols % 16 == 0 && (!mma || (arch == 120 && cols as usize * 4 <= 2 * (mma_chunk(arch, hidden) / 2 + 16 + mma_chunk(arch, hidden) / 16)))) as u32 };
             let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: 32 /* down_cols at GLM-5 sizes */, lanes: lanes(inter), unroll: loads_ahead(g2), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: down_threads(32, mma), w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1, stage: 1, acc_smem: 0, mid_fp4: gu.mid_fp4 };
             out.push((format!("sm_{arch}a glm5 {mode} tokens={tokens} G={g1}/{g2} cols={cols} mma={mma}"), gu, staged_where_it_fits(dn)));
         }
@@ -634,7 +646,7 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
     for (tokens, mma) in [(1usize, false), (17, false), (128, true)] {
         let g1 = if mma { 32 } else { group(tokens, 384 + 64 * 4) };
         let g2 = if mma { 32 } else { group(tokens, 96) };
-        let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, k: 256, g: g1 as u32, cols: COLS, lanes: lanes(256), unroll: loads_ahead(g1), mma: mma as u32, kc: 256, threads: THREADS, x_bf16: 1, compact: (!mma && tokens * 4 < 16) as u32, mid_fp4: !mma as u32 };
+        let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, k: 256, g: g1 as u32, cols: COLS, lanes: lanes(256), unroll: loads_ahead(g1), mma: mma as u32, kc: 256, threads: THREADS, x_bf16: 1, compact: (!mma && tokens * 4 < 16) as u32, mid_fp4: (!mma || arch == 120) as u32 };
         let dn = MoeDownParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, hidden: 256, g: g2 as u32, cols: COLS, lanes: lanes(128), unroll: loads_ahead(g2), mma: mma as u32, kc: 128, threads: THREADS, w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1, stage: 1, acc_smem: 0, mid_fp4: gu.mid_fp4 };
         out.push((format!("sm_{arch}a tiny tokens={tokens} mma={mma}"), gu, staged_where_it_fits(dn)));
     }

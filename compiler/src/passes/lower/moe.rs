@@ -7,9 +7,10 @@
 //! routed (token, choice) pair into `mid`; `moe_down` (grid: hidden column tiles) owns its
 //! columns of `acc` for every token (in its shared memory where they fit: decode) and adds the
 //! experts' weighted outputs in ascending expert order, as the CPU does, then rounds into `out`.
-//! At decode where gate/up's column tiles are multiples of 16 (`MID_FP4`), gate/up writes `mid`
-//! already quantised for down (codes and block scales, as down would compute them), so down's
-//! column blocks do not each quantise every row again. No float atomics: the result is deterministic.
+//! Where gate/up's column tiles are multiples of 16 (`MID_FP4`; prefill's tensor-core down on
+//! sm_120a only), gate/up writes `mid` already quantised for down (codes and block scales, as
+//! down would compute them), so down's column blocks do not each quantise every row again.
+//! No float atomics: the result is deterministic.
 //! Decode programs use CUDA-core dot products over exact NVFP4 block products (each selected
 //! expert's weights read once); prefill programs use the tensor cores on groups of 32 tokens:
 //! FP4 mma m16n8k64 with e4m3 block scales on sm_120a, f16 mma m16n8k16 over the decoded
@@ -212,11 +213,15 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let g_mma = mma_group(cx.arch, tokens, kc, cx.smem_limit);
     let gu_cols = gate_up_cols(&routing, inter, h, if x_bf16 == 1 { 2 } else { 4 }, mma.then_some(g_mma), gu_scan, &cx.consts);
     let gu_threads = gate_up_threads(gu_cols, mma);
-    // Decode (both launches on the CUDA cores): gate/up quantises mid for down, each block its
-    // columns (whole 16-value blocks), so down's blocks copy codes instead of each quantising
-    // every row again (GLM-5 tp8 batch 64: 192 blocks read 74 KB of mid instead of 262 KB)
+    // Gate/up quantises mid for down, each block its columns (whole 16-value blocks), so down's
+    // blocks copy codes instead of each quantising every row again, and read 9/16 B a value
+    // instead of 2 (GLM-5 tp8 batch 64: 192 blocks read 74 KB of mid instead of 262 KB; a
+    // 2,048-token chunk 4.7 MB instead of 8.4 MB). Down's tensor-core path copies the codes on
+    // sm_120a only (sm_90a's keeps f16 values); gate/up's stages its values over its parts' rows
+    // once the K loop is done, so they must fit there.
     let mma_dn = tokens > MOE_DECODE_TOKENS && inter % 64 == 0;
-    let mid_fp4 = !mma && !mma_dn && gu_cols % 16 == 0;
+    let gu_row = if cx.arch == 90 { kc * 2 } else { kc / 2 + 16 + kc / 16 };
+    let mid_fp4 = gu_cols % 16 == 0 && (!mma_dn || cx.arch == 120) && (!mma || gu_cols as usize * 4 <= 2 * gu_row);
     let g1 = if mma {
         g_mma
     } else {
