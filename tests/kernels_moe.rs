@@ -16,7 +16,7 @@
 mod common;
 
 use kiln_compiler::kernels::{MoeDownParams, MoeGateUpParams};
-use kiln_compiler::passes::lower::{down_threads, gate_up_cols, gate_up_threads, loads_ahead, mma_group, SMEM_LIMIT, THREADS};
+use kiln_compiler::passes::lower::{down_threads, gate_up_cols, gate_up_threads, loads_ahead, mid_fp4, mma_group, SMEM_LIMIT, THREADS};
 use kiln_runtime::cpu::quant::quantize_block_codes;
 use kiln_runtime::cpu::reference::{self, Nvfp4Stack};
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, Module};
@@ -168,8 +168,8 @@ struct Routing {
 /// routing read as, 0xFF); padding tokens keep (valid) ids that must be ignored.
 fn routing(sh: Shape, rng: &mut Rng, tokens: usize, padding: &[usize], share: usize) -> Routing {
     let mut ids = Vec::new();
+    let shared = if sh.experts == 256 { 255 } else { 5 };
     for t in 0..tokens {
-        let shared = if sh.experts == 256 { 255 } else { 5 };
         let mut chosen: Vec<i32> = if t < share { vec![shared] } else { vec![] };
         while chosen.len() < sh.top_k {
             let e = (rng.next_u64() % sh.experts as u64) as i32;
@@ -313,9 +313,7 @@ fn run(c: &Case, arch: u32, seed: u64) -> Run {
     // unwritten bytes stay 0xFF, an e4m3 NaN. On the tensor cores (prefill) the group's values
     // are staged over the parts' rows, where they must fit (as lowering checks), and down copies
     // the codes on sm_120a only.
-    let parts_row = if arch == 90 { pg.kc as usize * 2 } else { pg.kc as usize / 2 + 16 + pg.kc as usize / 16 };
-    let fp4_fits = !c.mma || (COLS as usize * 4 <= 2 * parts_row && (!mma_dn || arch == 120));
-    let mid_fp4 = fp4_fits.then(|| {
+    let mid_fp4 = mid_fp4(arch, c.mma, mma_dn, COLS, pg.kc as usize).then(|| {
         let fp4 = MoeGateUpParams { mid_fp4: 1, ..pg };
         let mf = Module::parse(&fp4.render().unwrap(), "moe_gate_up.ptx").unwrap();
         let bytes = c.tokens * sh.top_k * inter * 2;
@@ -637,7 +635,7 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
             let g1 = if mma { g_mma } else { group(tokens, hidden * 3 / 2 + if cols % 16 == 0 { cols as usize * 4 } else { 0 }) };
             let g2 = if mma { mma_group(arch, tokens, mma_chunk(arch, inter), SMEM_LIMIT) } else { group(tokens, inter * 3 / 4) };
             // loads ahead as the lowering picks them (four at G <= 4 would spill at larger G)
-            let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), unroll: loads_ahead(g1), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: gate_up_threads(cols, mma), x_bf16: 1, compact: (!mma && tokens * top_k < experts) as u32, mid_fp4: (cols % 16 == 0 && (!mma || (arch == 120 && cols as usize * 4 <= 2 * (mma_chunk(arch, hidden) / 2 + 16 + mma_chunk(arch, hidden) / 16)))) as u32 };
+            let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, k: hidden as u32, g: g1 as u32, cols, lanes: lanes(hidden), unroll: loads_ahead(g1), mma: mma as u32, kc: mma_chunk(arch, hidden) as u32, threads: gate_up_threads(cols, mma), x_bf16: 1, compact: (!mma && tokens * top_k < experts) as u32, mid_fp4: mid_fp4(arch, mma, mma /* inter % 64 == 0 */, cols, mma_chunk(arch, hidden)) as u32 };
             let dn = MoeDownParams { arch, tokens: tokens as u32, topk: top_k as u32, experts: experts as u32, inter: inter as u32, hidden: hidden as u32, g: g2 as u32, cols: 32 /* down_cols at GLM-5 sizes */, lanes: lanes(inter), unroll: loads_ahead(g2), mma: mma as u32, kc: mma_chunk(arch, inter) as u32, threads: down_threads(32, mma), w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1, stage: 1, acc_smem: 0, mid_fp4: gu.mid_fp4 };
             out.push((format!("sm_{arch}a glm5 {mode} tokens={tokens} G={g1}/{g2} cols={cols} mma={mma}"), gu, staged_where_it_fits(dn)));
         }
@@ -646,7 +644,7 @@ fn glm5_instances(arch: u32) -> Vec<(String, MoeGateUpParams, MoeDownParams)> {
     for (tokens, mma) in [(1usize, false), (17, false), (128, true)] {
         let g1 = if mma { 32 } else { group(tokens, 384 + 64 * 4) };
         let g2 = if mma { 32 } else { group(tokens, 96) };
-        let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, k: 256, g: g1 as u32, cols: COLS, lanes: lanes(256), unroll: loads_ahead(g1), mma: mma as u32, kc: 256, threads: THREADS, x_bf16: 1, compact: (!mma && tokens * 4 < 16) as u32, mid_fp4: (!mma || arch == 120) as u32 };
+        let gu = MoeGateUpParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, k: 256, g: g1 as u32, cols: COLS, lanes: lanes(256), unroll: loads_ahead(g1), mma: mma as u32, kc: 256, threads: THREADS, x_bf16: 1, compact: (!mma && tokens * 4 < 16) as u32, mid_fp4: mid_fp4(arch, mma, mma, COLS, 256) as u32 };
         let dn = MoeDownParams { arch, tokens: tokens as u32, topk: 4, experts: 16, inter: 128, hidden: 256, g: g2 as u32, cols: COLS, lanes: lanes(128), unroll: loads_ahead(g2), mma: mma as u32, kc: 128, threads: THREADS, w_bf16: 0, out_bf16: 1, add: 1, add_bf16: 1, stage: 1, acc_smem: 0, mid_fp4: gu.mid_fp4 };
         out.push((format!("sm_{arch}a tiny tokens={tokens} mma={mma}"), gu, staged_where_it_fits(dn)));
     }

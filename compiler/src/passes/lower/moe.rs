@@ -44,8 +44,22 @@ pub const MMA_GROUP: usize = 32;
 /// `kc` values fit the shared memory beside the token list, else [`MMA_GROUP`]. The group is
 /// the rows of the tiles, so any size gives the same bits.
 pub fn mma_group(arch: u32, tokens: usize, kc: usize, smem_limit: u32) -> usize {
-    let row = if arch == 90 { kc * 2 } else { kc / 2 + 16 + kc / 16 };
+    let row = mma_row_bytes(arch, kc);
     [2 * MMA_GROUP, MMA_GROUP].into_iter().find(|g| list_bytes(tokens) + 2 * g * row + STATIC_SMEM <= smem_limit as usize).unwrap_or(MMA_GROUP)
+}
+
+/// Shared-memory bytes of one quantised row of a `kc` chunk on the tensor-core path: e2m1 codes
+/// (padded by 16 B) and e4m3 scale bytes on sm_120a, f16 values on sm_90a.
+pub fn mma_row_bytes(arch: u32, kc: usize) -> usize {
+    if arch == 90 { kc * 2 } else { kc / 2 + 16 + kc / 16 }
+}
+
+/// Whether gate/up writes `mid` quantised for down (`MID_FP4`): its column tiles hold whole
+/// 16-value blocks; down's tensor-core path copies the codes on sm_120a only (sm_90a's keeps
+/// f16 values); gate/up's tensor-core path stages its tile's values (`cols` f32 a row) over its
+/// two parts' rows of the `kc` chunk once the K loop is done, so they must fit there.
+pub fn mid_fp4(arch: u32, mma: bool, mma_dn: bool, cols: u32, kc: usize) -> bool {
+    cols % 16 == 0 && (!mma_dn || arch == 120) && (!mma || cols as usize * 4 <= 2 * mma_row_bytes(arch, kc))
 }
 
 /// K chunk of the tensor-core path: the largest multiple of 64 dividing `k` up to 1024 on
@@ -213,15 +227,12 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let g_mma = mma_group(cx.arch, tokens, kc, cx.smem_limit);
     let gu_cols = gate_up_cols(&routing, inter, h, if x_bf16 == 1 { 2 } else { 4 }, mma.then_some(g_mma), gu_scan, &cx.consts);
     let gu_threads = gate_up_threads(gu_cols, mma);
-    // Gate/up quantises mid for down, each block its columns (whole 16-value blocks), so down's
-    // blocks copy codes instead of each quantising every row again, and read 9/16 B a value
-    // instead of 2 (GLM-5 tp8 batch 64: 192 blocks read 74 KB of mid instead of 262 KB; a
-    // 2,048-token chunk 4.7 MB instead of 8.4 MB). Down's tensor-core path copies the codes on
-    // sm_120a only (sm_90a's keeps f16 values); gate/up's stages its values over its parts' rows
-    // once the K loop is done, so they must fit there.
+    // Gate/up quantises mid for down where it can ([`mid_fp4`]), so down's blocks copy codes
+    // instead of each quantising every row again, and read 9/16 B a value instead of 2 (GLM-5
+    // tp8 batch 64: 192 blocks read 74 KB of mid instead of 262 KB; a 2,048-token chunk 4.7 MB
+    // instead of 8.4 MB).
     let mma_dn = tokens > MOE_DECODE_TOKENS && inter % 64 == 0;
-    let gu_row = if cx.arch == 90 { kc * 2 } else { kc / 2 + 16 + kc / 16 };
-    let mid_fp4 = gu_cols % 16 == 0 && (!mma_dn || cx.arch == 120) && (!mma || gu_cols as usize * 4 <= 2 * gu_row);
+    let mid_fp4 = mid_fp4(cx.arch, mma, mma_dn, gu_cols, kc);
     let g1 = if mma {
         g_mma
     } else {
@@ -298,9 +309,9 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     };
     // every used expert's scan reads the routing from shared memory where it fits (9 bits a
     // pair: up to 8,192 tokens of GLM-5 beside groups of 64; its size does not depend on the
-    // columns) and its byte ids and a token's bits in a u32 can hold it, else from global memory: the
-    // bytes each block scans (once to mark the used experts, once per used expert unstaged)
-    // price the columns
+    // columns) and byte ids and a token's bits in a u32 can hold it, else from global memory:
+    // the bytes each block scans (once to mark the used experts, once per used expert
+    // unstaged) price the columns
     let stageable = e <= 256 && top_k <= 32;
     let staged = stageable && dn.dynamic_smem()? as usize + STATIC_SMEM <= cx.smem_limit as usize;
     let used = routing.sum(|n| if n > 0.0 { 1.0 } else { 0.0 });
@@ -338,7 +349,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{decode_group, down_cols, down_threads, gate_up_cols, gate_up_threads, mma_group};
+    use super::{decode_group, down_cols, down_threads, gate_up_cols, gate_up_threads, mid_fp4, mma_group};
     use crate::passes::lower::SMEM_LIMIT;
     use kiln_runtime::perf::{Constants, Experts};
 
@@ -400,6 +411,19 @@ mod tests {
         // (16 warps) 1.93 GB, both over 256 experts' blocks and more.
         assert_eq!(gate_up_cols(&routed(2048), 256, 6144, 2, Some(32), scan(2048), &c), 128);
         assert_eq!((gate_up_threads(128, true), gate_up_threads(64, true), gate_up_threads(8, false)), (512, 256, 256));
+    }
+
+    #[test]
+    fn mid_goes_to_down_as_fp4_codes_where_both_kernels_can_pass_them() {
+        // GLM-5 tp8 prefill on sm_120a: 128-column gate/up tiles stage 512 B a row over the parts'
+        // two rows of a 1,024-value chunk (592 B each)
+        assert!(mid_fp4(120, true, true, 128, 1024));
+        // sm_90a's tensor-core down keeps f16 values; its CUDA-core down copies codes
+        assert!(!mid_fp4(90, true, true, 128, 256) && mid_fp4(90, true, false, 64, 256));
+        // decode: 8-column tiles hold no whole 16-value block; 64-column ones do
+        assert!(!mid_fp4(120, false, false, 8, 1024) && mid_fp4(120, false, false, 64, 1024));
+        // a 64-value chunk's rows (52 B) cannot hold a 64-column tile's 256 B
+        assert!(!mid_fp4(120, true, true, 64, 64));
     }
 
     #[test]
