@@ -757,18 +757,21 @@ fn moe_launches_stage_the_routing_and_pass_prefill_mid_as_fp4_codes() {
 
 #[test]
 fn attention_absorbs_kv_b_once_per_step_in_prefill_as_in_decode() {
-    use kiln_runtime::plan::{attention_splits_cap, read_plan, Op};
+    use kiln_runtime::plan::{attention_splits_cap, read_plan, LaunchArg, Op};
     // the shipped GLM-5 plan (tp 8): every attention, prefill chunks too, takes the split form:
     // q absorbed by W_UK in a launch of its own (kv_b read once a step, not once per token as
     // the fused prefill launch did: 3.7 MB a token, 7.5 GB a layer at 2,048 tokens), each split
     // of the top-k rows' softmax state (MODE 1), then the combine and the output projection by
-    // W_UV (MODE 3, or MODE 1 and MODE 2), with its scratch sized for every token of the program
+    // W_UV (MODE 3, or MODE 1 and MODE 2), with its scratch sized for every token of the program.
+    // Chunks of 512 tokens and more project the contexts by W_UV as one batched tensor-core GEMM
+    // (a head per grid.z: the contexts in `absorbed`, W_UV inside kv_b, the op's output), which
+    // MODE 2 re-reads once per 32 rows of W_UV
     let art = Path::new(env!("CARGO_MANIFEST_DIR")).join("artifacts/GLM-5-NVFP4-sm120a-tp8");
     let plan = read_plan(&art).unwrap();
     let mut prefill_steps = 0;
     for p in &plan.programs {
         for (s, step) in p.steps.iter().enumerate() {
-            let Some(&Op::MlaAttention { q, heads, absorbed, partials, .. }) = step.op.leaves().iter().find(|op| matches!(op, Op::MlaAttention { .. })) else { continue };
+            let Some(&Op::MlaAttention { q, kv_b, heads, absorbed, partials, out, .. }) = step.op.leaves().iter().find(|op| matches!(op, Op::MlaAttention { .. })) else { continue };
             let tokens = p.buffer(q).shape[0];
             let latent = plan.model.kv_lora_rank;
             assert_eq!(p.buffer(absorbed).shape, [tokens, heads * latent], "{} step {s}", p.name);
@@ -777,16 +780,28 @@ fn attention_absorbs_kv_b_once_per_step_in_prefill_as_in_decode() {
                 .launches
                 .iter()
                 .flat_map(|l| plan.part_launches(l))
-                .map(|l| {
+                .filter_map(|l| {
                     let k = plan.kernel(l.kernel);
-                    (k.template.clone(), k.params.iter().find(|(n, _)| n == "MODE").map(|(_, v)| *v))
+                    let param = |name: &str| k.params.iter().find(|(n, _)| n == name).map(|(_, v)| *v);
+                    match k.template.as_str() {
+                        "mla_split" | "mla_attention" => Some((k.template.clone(), param("MODE"))),
+                        "linear_bf16_gemm" if param("BATCH") == Some(heads as u64) => {
+                            let want = [LaunchArg::Buffer(absorbed), LaunchArg::Weight(kv_b), LaunchArg::Buffer(out)];
+                            assert_eq!(l.args[..3], want, "{} step {s}: the output GEMM's x, W and out", p.name);
+                            Some((k.template.clone(), param("BATCH")))
+                        }
+                        _ => None,
+                    }
                 })
-                .filter(|(t, _)| t == "mla_split" || t == "mla_attention")
                 .collect();
             let modes: Vec<(&str, u64)> = parts.iter().map(|(t, m)| (t.as_str(), m.unwrap_or(u64::MAX))).collect();
             let combined = [("mla_split", 0), ("mla_attention", 1), ("mla_split", 3)];
             let apart = [("mla_split", 0), ("mla_attention", 1), ("mla_split", 1), ("mla_split", 2)];
-            assert!(modes == combined || modes == apart, "{} step {s}: {modes:?}", p.name);
+            let gemm = [("mla_split", 0), ("mla_attention", 1), ("mla_split", 1), ("linear_bf16_gemm", heads as u64)];
+            assert!(modes == combined || modes == apart || modes == gemm, "{} step {s}: {modes:?}", p.name);
+            if p.name.starts_with("prefill") && tokens >= 512 {
+                assert!(modes == gemm, "{} step {s}: the output projection of a {tokens}-token chunk is not the batched GEMM: {modes:?}", p.name);
+            }
             prefill_steps += usize::from(p.name.starts_with("prefill"));
         }
     }

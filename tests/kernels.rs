@@ -492,7 +492,7 @@ fn router_selection_chained_to_its_split_k_gate_product_beside_a_split_k_gemm() 
     let mut want2 = vec![0f32; n2];
     reference::linear_bf16(&x2, 1, &w2, k2, n2, true, &mut want2);
     // split-K forms: 16 x 32 blocks, K over 3 (the gate product) and 16 x 8 blocks, K over 2
-    let gemm = |m: usize, n: usize, k: usize, nt: u32, ks: u32, out_bf16: u32| LinearBf16GemmParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, segs: 1, c1: 0, c2: 0, c3: 0, split: 1, ks, partials: Region::PARTIALS as u32, mt: 1, nt, kb: 2, nbuf: 2, threads: 256, x_bf16: 1, out_bf16, norm: 0, nw_bf16: 0 };
+    let gemm = |m: usize, n: usize, k: usize, nt: u32, ks: u32, out_bf16: u32| LinearBf16GemmParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, segs: 1, c1: 0, c2: 0, c3: 0, split: 1, ks, partials: Region::PARTIALS as u32, mt: 1, nt, kb: 2, nbuf: 2, threads: 256, x_bf16: 1, out_bf16, norm: 0, nw_bf16: 0, batch: 1, xld: 0, old: 0, woff: 0, xb: 0, wb: 0, ob: 0 };
     let (product, beside) = (gemm(t, e, h, 4, 3, 0), gemm(1, n2, k2, 1, 2, 1));
     let router = RouterParams { arch: 120, tokens: t as u32, per_block: THREADS / 32, experts: e as u32, n_group: 1, topk_group: 1, top_k: top_k as u32, norm: 1, threads: THREADS, bias_bf16: 0, w_bf16: 0 };
     let (grid_product, grid_beside) = ([(e / 32) as u32, 1, 3], [n2.div_ceil(8) as u32, 1, 2]);

@@ -8,7 +8,8 @@
 
 mod common;
 use common::{bytes, floats, randn};
-use kiln_compiler::kernels::{MlaAttentionParams, MlaSplitParams};
+use kiln_compiler::kernels::{LinearBf16GemmParams, MlaAttentionParams, MlaSplitParams};
+use kiln_compiler::passes::lower::{output_gemm, SMEM_LIMIT};
 use kiln_runtime::cpu::reference::{self, Cache, MlaGeometry, TokenInputs};
 use kiln_runtime::cpu::rope::Rope;
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
@@ -234,7 +235,7 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
     let bpa = gm.alloc_bytes("partials", &vec![0xFF; c.tokens.max(1) * c.splits.max(1) * g.heads * (g.latent + 4) * 4]);
     let mut args: Vec<KernelArg> = [bq, bw, bt, bp, bs, bpt, bc, br, bo, ba, bpa].iter().map(|&b| KernelArg::U64(gm.addr(b))).collect();
     args.push(KernelArg::F32(c.scale));
-    let (mut cache_read, mut staged_read, mut combined, mut coop_out) = (0u64, Vec::new(), Vec::new(), None);
+    let (mut cache_read, mut staged_read, mut combined, mut coop_out, mut gemm_out) = (0u64, Vec::new(), Vec::new(), None, None);
     // the most 128-dim latent chunks of every warp's tile the q_abs | ctx region holds (lowering's STAGE)
     let fits = |threads: u32, mma: u32| if mma == 1 { (c.hg * nl * 1024 / ((threads as usize / 32) * 16 * 256)).min(nl) } else { 0 };
     let stats = if c.splits == 0 {
@@ -394,6 +395,19 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
         // kv_b is read once per step (W_UK by the absorb launch, W_UV by the output launch)
         let w_uv_runs = 2 * combined.len() as u64 + coop_out.is_some() as u64 + grouped.iter().map(|(tg, _)| c.tokens.div_ceil(*tg) as u64).sum::<u64>();
         assert_eq!(gm.bytes_loaded(bw) - w_uv * w_uv_runs, kv_b_bytes.len() as u64, "kv_b bytes read");
+        // the output projection as the batched tensor-core GEMM prefill chunks take (a head per
+        // grid.z over the contexts the combine left in `absorbed`), lowering's instance
+        if g.latent % 8 == 0 && g.nope % 8 == 0 {
+            let mode2 = gm.read(bo);
+            gm.write(bo, 0, &vec![0xFF; mode2.len()]);
+            let (p, grid) = output_gemm(120, c.tokens, g.heads, g.nope, g.v, g.latent, c.out_bf16 as u32, SMEM_LIMIT).unwrap();
+            let m = Module::parse(&p.render().unwrap(), "linear_bf16_gemm.ptx").unwrap();
+            let mut gargs: Vec<KernelArg> = [ba, bw, bo, bw, bw, bw, bo, bo, bo, bo, bw].iter().map(|&b| KernelArg::U64(gm.addr(b))).collect();
+            gargs.push(KernelArg::F32(0.0));
+            launch(&m, LinearBf16GemmParams::ENTRY, grid, [256, 1, 1], p.dynamic_smem().unwrap(), &gargs, &mut gm).unwrap();
+            gemm_out = Some(floats(&gm.read(bo), c.out_bf16));
+            gm.write(bo, 0, &mode2);
+        }
         stats
     };
     let out = gm.read(bo);
@@ -461,6 +475,9 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
         }
         if let Some((_, warps, got)) = &coop_out {
             check(&format!("{what}, {warps} warps taking each tile together, vs CPU {form:?}"), c.out_bf16, got, &want);
+        }
+        if let Some(got) = &gemm_out {
+            check(&format!("{what}, output projection as the batched GEMM, vs CPU {form:?}"), c.out_bf16, got, &want);
         }
         // Padding tokens are zeros; active tokens attend to something (a row whose only position
         // became -1 legitimately gives zeros, on both sides), so nothing passes trivially.

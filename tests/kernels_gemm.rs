@@ -288,7 +288,7 @@ fn bf16_case(m: usize, n: usize, k: usize, x_bf16: bool, out_bf16: bool, f: Form
     let mut want = vec![0f32; m * n];
     reference::linear_bf16(&x, m, &wb, k, n, out_bf16, &mut want);
     let partials = if ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
-    let params = LinearBf16GemmParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, segs: 1, c1: 0, c2: 0, c3: 0, split, ks, partials, mt, nt, kb, nbuf, threads: 256, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32, norm: 0, nw_bf16: 0 };
+    let params = LinearBf16GemmParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, segs: 1, c1: 0, c2: 0, c3: 0, split, ks, partials, mt, nt, kb, nbuf, threads: 256, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32, norm: 0, nw_bf16: 0, batch: 1, xld: 0, old: 0, woff: 0, xb: 0, wb: 0, ob: 0 };
     let module = Module::parse(&params.render().unwrap(), "linear_bf16_gemm.ptx").unwrap();
     let mut g = GlobalMemory::new();
     let bx = g.alloc_bytes("x", &bytes(&x, x_bf16));
@@ -320,6 +320,58 @@ fn bf16_case(m: usize, n: usize, k: usize, x_bf16: bool, out_bf16: bool, f: Form
     eprintln!("  {read} B read, {:.3} x compulsory, {:.3} x the tiled bound", read as f64 / (x_bytes + wb.len()) as f64, read as f64 / bound as f64);
     assert!(read <= bound, "{read} B read > {bound} B");
     read
+}
+
+/// `batch` GEMMs in one launch (grid.z), each reading its x as a K-wide column slice of rows
+/// `xld` apart, its W `woff + z * wb` elements into a shared weight buffer and writing its out as
+/// an N-wide column slice of rows `old` apart: the attention output projection's shape (every
+/// head's context and output inside the token's row, its W_UV inside kv_b). Each GEMM must be
+/// the CPU's, and every element outside the slices left as it was.
+fn batched_case(m: usize, n: usize, k: usize, batch: usize, x_bf16: bool, out_bf16: bool, seed: u64) {
+    let (xld, xb) = (batch * k + 8, k);
+    let (woff, wb) = (16 * k, n * k + 8 * k);
+    let (old, ob) = (batch * n + 3, n);
+    let mut rng = Rng::new(seed);
+    let x = randn(&mut rng, m * xld, 1.0, x_bf16);
+    let w = randn(&mut rng, woff + batch * wb, 0.1, true);
+    let wbytes = bytes(&w, true);
+    let os = if out_bf16 { 2 } else { 4 };
+    let params = LinearBf16GemmParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, segs: 1, c1: 0, c2: 0, c3: 0, split: 0, ks: 1, partials: 0, mt: 2, nt: 1, kb: 2, nbuf: 3, threads: 256, x_bf16: x_bf16 as u32, out_bf16: out_bf16 as u32, norm: 0, nw_bf16: 0, batch: batch as u32, xld: xld as u32, old: old as u32, woff: woff as u32, xb: xb as u32, wb: wb as u32, ob: ob as u32 };
+    let module = Module::parse(&params.render().unwrap(), "linear_bf16_gemm.ptx").unwrap();
+    let mut g = GlobalMemory::new();
+    let bx = g.alloc_bytes("x", &bytes(&x, x_bf16));
+    let bw = g.alloc_bytes("w", &wbytes);
+    let bo = g.alloc("out", m * old * os);
+    g.write(bo, 0, &vec![0xAB; m * old * os]);
+    let region = g.alloc("split_k_region", SplitKLayout::BYTES as usize);
+    let mut args: Vec<KernelArg> = [bx, bw, bo, bw, bw, bw, bo, bo, bo, region, bw].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
+    args.push(KernelArg::F32(0.0));
+    let grid = [n.div_ceil(BF_BN) as u32, m.div_ceil(64) as u32, batch as u32];
+    let what = format!("batched bf16 gemm {batch} x M={m} N={n} K={k} x_bf16={x_bf16} out_bf16={out_bf16}");
+    launch(&module, LinearBf16GemmParams::ENTRY, grid, [256, 1, 1], params.dynamic_smem().unwrap(), &args, &mut g).unwrap();
+    let out = g.read(bo);
+    let mut written = vec![false; m * old];
+    for z in 0..batch {
+        let xz: Vec<f32> = (0..m * k).map(|i| x[(i / k) * xld + z * xb + i % k]).collect();
+        let wz = &wbytes[(woff + z * wb) * 2..(woff + z * wb + n * k) * 2];
+        let mut want = vec![0f32; m * n];
+        reference::linear_bf16(&xz, m, wz, k, n, out_bf16, &mut want);
+        let at = |i: usize| (i / n) * old + z * ob + i % n;
+        let got: Vec<u8> = (0..m * n).flat_map(|i| out[at(i) * os..(at(i) + 1) * os].to_vec()).collect();
+        (0..m * n).for_each(|i| written[at(i)] = true);
+        check(&format!("{what} z={z}"), out_bf16, &floats(&got, out_bf16), &want);
+    }
+    for (e, _) in written.iter().enumerate().filter(|(_, w)| !**w) {
+        assert!(out[e * os..(e + 1) * os].iter().all(|&b| b == 0xAB), "{what}: element {e} outside every GEMM's slice was written");
+    }
+}
+
+#[test]
+fn bf16_gemm_batches_strided_slices_of_wider_rows() {
+    // F32 contexts as three BF16 planes (the attention output projection) and BF16 x, ragged
+    // M and N, 2 to 3 GEMMs
+    batched_case(70, 136, 64, 3, false, true, 710);
+    batched_case(33, 40, 48, 2, true, false, 711);
 }
 
 #[test]
@@ -424,7 +476,7 @@ fn bf16_group_case(m: usize, k: usize, members: &[(usize, bool)], x_bf16: bool, 
     let region = g.alloc("split_k_region", SplitKLayout::BYTES as usize);
     let partials = if f.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
     let (m32, n32, k32) = (m as u32, n as u32, k as u32);
-    let params = LinearBf16GemmParams { arch: 120, m: m32, n: n32, k: k32, segs: members.len() as u32, c1: starts[1], c2: starts[2], c3: starts[3], split: f.split, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16: x_bf16 as u32, out_bf16: mask, norm: 0, nw_bf16: 0 };
+    let params = LinearBf16GemmParams { arch: 120, m: m32, n: n32, k: k32, segs: members.len() as u32, c1: starts[1], c2: starts[2], c3: starts[3], split: f.split, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16: x_bf16 as u32, out_bf16: mask, norm: 0, nw_bf16: 0, batch: 1, xld: 0, old: 0, woff: 0, xb: 0, wb: 0, ob: 0 };
     let module = Module::parse(&params.render().unwrap(), "linear_bf16_gemm.ptx").unwrap();
     let seg = |v: &Vec<_>, s: usize| *v.get(s).unwrap_or(&v[0]);
     let mut args: Vec<KernelArg> = [bx, ws[0], outs[0], seg(&ws, 1), seg(&ws, 2), seg(&ws, 3), seg(&outs, 1), seg(&outs, 2), seg(&outs, 3), region, ws[0]].iter().map(|&b| KernelArg::U64(g.addr(b))).collect();
@@ -522,7 +574,7 @@ fn normed_group_case(m: usize, k: usize, members: &[(usize, bool)], nw_bf16: boo
     let partials = if f.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
     let grid = [n.div_ceil(8 * f.nt as usize) as u32, m.div_ceil(16 * f.mt as usize) as u32, f.ks];
     let group = |fused: bool, g: &mut GlobalMemory| -> Vec<Vec<u8>> {
-        let params = LinearBf16GemmParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, segs: members.len() as u32, c1: starts[1], c2: starts[2], c3: starts[3], split: 1, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: 2, nbuf: 2, threads: 256, x_bf16: 1, out_bf16: mask, norm: fused as u32, nw_bf16: nw_bf16 as u32 };
+        let params = LinearBf16GemmParams { arch: 120, m: m as u32, n: n as u32, k: k as u32, segs: members.len() as u32, c1: starts[1], c2: starts[2], c3: starts[3], split: 1, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: 2, nbuf: 2, threads: 256, x_bf16: 1, out_bf16: mask, norm: fused as u32, nw_bf16: nw_bf16 as u32, batch: 1, xld: 0, old: 0, woff: 0, xb: 0, wb: 0, ob: 0 };
         let module = Module::parse(&params.render().unwrap(), "linear_bf16_gemm.ptx").unwrap();
         let outs: Vec<_> = members.iter().enumerate().map(|(s, &(rows, out_bf16))| g.alloc(&format!("out{s}_{fused}"), m * rows * if out_bf16 { 2 } else { 4 })).collect();
         let seg = |v: &Vec<_>, s: usize| *v.get(s).unwrap_or(&v[0]);
@@ -608,7 +660,7 @@ fn glm5_prefill_shapes_assemble_without_spills() {
                     Form { ks: picked.ks, ..tiled(2, 2, 3) }
                 };
                 let partials = if f.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
-                let p = LinearBf16GemmParams { arch, m, n, k, segs: 1, c1: 0, c2: 0, c3: 0, split: f.split, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16, out_bf16, norm: 0, nw_bf16: 0 };
+                let p = LinearBf16GemmParams { arch, m, n, k, segs: 1, c1: 0, c2: 0, c3: 0, split: f.split, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16, out_bf16, norm: 0, nw_bf16: 0, batch: 1, xld: 0, old: 0, woff: 0, xb: 0, wb: 0, ob: 0 };
                 kernels.push((format!("bf16_sm{arch}_m{m}_n{n}_k{k}_x{x_bf16}_o{out_bf16}_s{}_mt{}_nt{}_kb{}_nbuf{}_ks{}", f.split, f.mt, f.nt, f.kb, f.nbuf, f.ks), p.render().unwrap(), p.dynamic_smem().unwrap()));
             }
         }
@@ -621,7 +673,7 @@ fn glm5_prefill_shapes_assemble_without_spills() {
             let (picked, _) = kiln_compiler::passes::lower::bf16_group_form(m as usize, n as usize, k as usize, true, None, segs == 2, &Constants::SM120A).unwrap();
             for f in [if picked.split == 1 { split_k(picked.mt, picked.nt, picked.ks) } else { Form { ks: picked.ks, ..tiled(2, 2, 3) } }] {
                 let partials = if f.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
-                let p = LinearBf16GemmParams { arch, m, n, k, segs, c1: starts[0], c2: starts[1], c3: starts[2], split: f.split, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16: 1, out_bf16: mask, norm: 0, nw_bf16: 0 };
+                let p = LinearBf16GemmParams { arch, m, n, k, segs, c1: starts[0], c2: starts[1], c3: starts[2], split: f.split, ks: f.ks, partials, mt: f.mt, nt: f.nt, kb: f.kb, nbuf: f.nbuf, threads: 256, x_bf16: 1, out_bf16: mask, norm: 0, nw_bf16: 0, batch: 1, xld: 0, old: 0, woff: 0, xb: 0, wb: 0, ob: 0 };
                 kernels.push((format!("bf16group_sm{arch}_m{m}_n{n}_k{k}_s{}_segs{segs}_mt{}_nt{}_ks{}", f.split, f.mt, f.nt, f.ks), p.render().unwrap(), p.dynamic_smem().unwrap()));
             }
         }

@@ -231,16 +231,18 @@ fn kernel_cost(plan: &Plan, l: &Launch, load: &Load) -> Result<Cost, String> {
             // weights once per row block (grid.y), activations once per column block (grid.x),
             // each K slice (grid.z) its share; the tensor cores run the padded tiles. K over
             // KS > 1 blocks: every slice's f32 partials written once and read once (by the
-            // tile's last block), and one counter atomic per block (4 B read, 4 B written)
+            // tile's last block), and one counter atomic per block (4 B read, 4 B written).
+            // BATCH > 1: grid.z runs that many GEMMs of these shapes, each its own operands
             let (m, n, kk) = (p.v("M")?, p.v("N")?, p.v("K")?);
             let xs = p.size("X_BF16")?;
             let (gx, gy) = (l.grid[0] as f64, l.grid[1] as f64);
-            c.read(Class::Weights, n * kk * 2.0, gy);
-            c.read(Class::Activations, m * kk * xs, gx);
+            let batch = p.v_or("BATCH", 1.0);
+            c.read(Class::Weights, batch * n * kk * 2.0, gy);
+            c.read(Class::Activations, batch * m * kk * xs, gx);
             // SEGS > 1: each segment's columns in its output's dtype (bit s of OUT_BF16)
             let segs = p.v("SEGS")? as usize;
             if segs == 1 {
-                c.write(m * n * p.size("OUT_BF16")?);
+                c.write(batch * m * n * p.size("OUT_BF16")?);
             } else {
                 let starts = [0.0, p.v("C1")?, p.v("C2")?, p.v("C3")?];
                 let mask = p.v("OUT_BF16")? as u32;
@@ -264,7 +266,7 @@ fn kernel_cost(plan: &Plan, l: &Launch, load: &Load) -> Result<Cost, String> {
             let planes = if xs == 2.0 { 1.0 } else { 3.0 };
             let (mt, nt) = (p.v("MT")?, p.v("NT")?);
             let (bm, bn, kstep) = if p.v("SPLIT")? == 1.0 { (16.0 * mt, 8.0 * nt, 16.0) } else { (32.0 * mt, 128.0, 16.0 * p.v("KB")?) };
-            c.flops.bf16_mma += 2.0 * bm * gy * bn * gx * ceil_div(kk, kstep) * kstep * planes;
+            c.flops.bf16_mma += 2.0 * bm * gy * bn * gx * ceil_div(kk, kstep) * kstep * planes * batch;
         }
         "linear_nvfp4_gemm" => {
             // as the BF16 GEMM, per launch one part (or gate + up); thread 0 loads the scalars

@@ -9,12 +9,14 @@
 //! the GPU within the scratch (one from 512 tokens): q absorbed into the
 //! latent space (`mla_split` MODE 0), each split of the top-k row's softmax state
 //! (`mla_attention` MODE 1, all heads of a block sharing every latent row), the splits combined
-//! (`mla_split` MODE 1), and the output projection (`mla_split` MODE 2). Else one fused launch,
-//! a block per (token, group of heads).
+//! (`mla_split` MODE 1), and the output projection (`mla_split` MODE 2 on the CUDA cores, or,
+//! where the byte model prices it lower, as in prefill chunks, one batched tensor-core GEMM of a
+//! head per grid.z: [`output_gemm_us`]). Else one fused launch, a block per (token, group of heads).
 
+use super::gemm::{tiled_ring, GEMM_BN};
 use super::{candidate_us, fits, float_flag, numel, of_grid, width, Cx, Instance, THREADS};
-use kiln_runtime::perf::Constants;
-use crate::kernels::{MlaAttentionArgs, MlaAttentionParams, MlaSplitArgs, MlaSplitParams, Ptr};
+use kiln_runtime::perf::{launch_time, Bytes, Constants, Cost, Flops};
+use crate::kernels::{LinearBf16GemmArgs, LinearBf16GemmParams, MlaAttentionArgs, MlaAttentionParams, MlaSplitArgs, MlaSplitParams, Ptr};
 use kiln_runtime::plan::{DType, Op, SplitKLayout};
 
 /// Context accumulators a lane may hold: heads per block x 4 dims x latent chunks of 128.
@@ -128,6 +130,36 @@ fn output_shape(tokens: usize, heads: usize, v: usize, latent: usize, out_size: 
     let groups = [tokens, 32, 16, 8].into_iter().filter(|&tg| tg <= tokens);
     let shapes = [4usize, 2, 1].into_iter().filter(|r| v % (8 * r) == 0).flat_map(|r| groups.clone().map(move |tg| (r, tg)));
     shapes.map(|s| (s, cost(s))).fold(((1, tokens), f64::MAX), |best, c| if c.1 < best.1 { c } else { best })
+}
+
+/// Rows per block of the output projection's GEMM: F32 contexts enter the tiled BF16 GEMM as
+/// three BF16 planes, whose stages hold 64 rows (`linear_bf16_gemm` MT = 2).
+const OUTPUT_GEMM_ROWS: usize = 64;
+
+/// The output projection as one batched tensor-core GEMM (`linear_bf16_gemm` BATCH = heads, a
+/// head per grid.z): out[t, h] = W_UV[h] ctx[t, h], its W_UV rows inside kv_b and its context and
+/// output rows column slices of the token's rows, the F32 contexts split into three BF16 planes
+/// (exact: the products are the CPU's). Its predicted µs as the BF16 GEMM's forms are priced, with
+/// the outputs and the tensor cores' time: W_UV once per row block of 64 tokens, each context
+/// once per column block of 128 outputs. A 2,048-token chunk of GLM-5 tp8: 512 blocks moving
+/// 143 MB (95 µs), where MODE 2 re-reads every context once per 32 rows of W_UV (411 MB, 271 µs).
+fn output_gemm_us(tokens: usize, heads: usize, v: usize, latent: usize, out_size: usize, k: &Constants) -> f64 {
+    let (gx, gy) = (v.div_ceil(GEMM_BN), tokens.div_ceil(OUTPUT_GEMM_ROWS));
+    let weights = (heads * v * latent * 2 * gy) as f64;
+    let activations = (heads * tokens * latent * 4 * gx + tokens * heads * v * out_size) as f64;
+    let bf16_mma = 3.0 * 2.0 * (heads * gy * OUTPUT_GEMM_ROWS * gx * GEMM_BN * latent.next_multiple_of(32)) as f64;
+    let cost = Cost { bytes: Bytes { weights, activations, ..Bytes::default() }, flops: Flops { bf16_mma, ..Flops::default() }, blocks: (heads * gx * gy) as f64, ..Cost::default() };
+    launch_time(&cost, k).us
+}
+
+/// The output projection's GEMM instance ([`output_gemm_us`]) and its grid: x the contexts in
+/// `absorbed` (F32 `[tokens, heads, latent]`), W the W_UV rows of kv_b (head h's from row
+/// h * (nope + v) + nope), out `[tokens, heads, v]`.
+#[allow(clippy::too_many_arguments)]
+pub fn output_gemm(arch: u32, tokens: usize, heads: usize, nope: usize, v: usize, latent: usize, out_bf16: u32, smem_limit: u32) -> Result<(LinearBf16GemmParams, [u32; 3]), String> {
+    let u = |n: usize| n as u32;
+    let base = LinearBf16GemmParams { arch, m: u(tokens), n: u(v), k: u(latent), segs: 1, c1: 0, c2: 0, c3: 0, split: 0, ks: 1, partials: 0, mt: u(OUTPUT_GEMM_ROWS / 32), nt: 1, kb: 2, nbuf: 2, threads: THREADS, x_bf16: 0, out_bf16, norm: 0, nw_bf16: 0, batch: u(heads), xld: u(heads * latent), old: u(heads * v), woff: u(nope * latent), xb: u(latent), wb: u((nope + v) * latent), ob: u(v) };
+    Ok((tiled_ring(base, smem_limit)?, [u(v.div_ceil(GEMM_BN)), u(tokens.div_ceil(OUTPUT_GEMM_ROWS)), u(heads)]))
 }
 
 /// The combine's predicted µs (`mla_split` MODE 1 with `dpl` latent dims per lane): every split's
@@ -326,7 +358,17 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     } else {
         let (combine, output) = (helper(1, 1, 0), helper(2, rpw, 0));
         launches.push(of_grid(&combine, [(heads * latent.div_ceil(32 * dpl)) as u32, tokens as u32, 1], 32, args.clone()));
-        launches.push(of_grid(&output, [(heads * v / (8 * rpw)) as u32, tokens.div_ceil(tg) as u32, 1], THREADS, args));
+        // (16-byte loads: every head's context, W_UV and row start on a multiple of 8 values)
+        let gemm_fits = latent % 8 == 0 && nope % 8 == 0 && heads <= 65_535;
+        if gemm_fits && output_gemm_us(tokens, heads, v, latent, out_size, &cx.consts) < output_us {
+            let (gemm, grid) = output_gemm(cx.arch, tokens, heads, nope, v, latent, out_bf16, cx.smem_limit)?;
+            fits(gemm.dynamic_smem()? as usize, cx.smem_limit, "the attention output GEMM")?;
+            let (w, o) = (Ptr::Weight(kv_b), Ptr::Buffer(out));
+            let gemm_args = LinearBf16GemmArgs { x: Ptr::Buffer(absorbed), w, out: o, w1: w, w2: w, w3: w, out1: o, out2: o, out3: o, splitk: o, nw: w, eps: 0.0 };
+            launches.push(of_grid(&gemm, grid, THREADS, gemm_args.launch_args()));
+        } else {
+            launches.push(of_grid(&output, [(heads * v / (8 * rpw)) as u32, tokens.div_ceil(tg) as u32, 1], THREADS, args));
+        }
     }
     Ok(launches)
 }

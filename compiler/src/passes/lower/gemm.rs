@@ -41,7 +41,7 @@ fn ring(stage: usize, smem_limit: u32) -> u32 {
 
 /// A BF16 GEMM's params with the tiled form's ring of stage buffers sized by [`ring`] (the split
 /// form has none: unchanged).
-fn tiled_ring(params: LinearBf16GemmParams, smem_limit: u32) -> Result<LinearBf16GemmParams, String> {
+pub(super) fn tiled_ring(params: LinearBf16GemmParams, smem_limit: u32) -> Result<LinearBf16GemmParams, String> {
     if params.split == 1 {
         return Ok(params);
     }
@@ -250,7 +250,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             // Decode-sized M: split K over the warps of small blocks, enough of them to keep the
             // weights streaming. Else 128-row blocks halve the weight traffic of long prefills;
             // F32 activations (three BF16 planes) and short ones keep 64 rows.
-            let base = LinearBf16GemmParams { arch: cx.arch, m: u(m), n: u(n), k: u(k), segs: 1, c1: 0, c2: 0, c3: 0, split: 0, ks: 1, partials: 0, mt: 2, nt: 1, kb: BF16_KB, nbuf: 2, threads: THREADS, x_bf16, out_bf16, norm: 0, nw_bf16: 0 };
+            let base = LinearBf16GemmParams { arch: cx.arch, m: u(m), n: u(n), k: u(k), segs: 1, c1: 0, c2: 0, c3: 0, split: 0, ks: 1, partials: 0, mt: 2, nt: 1, kb: BF16_KB, nbuf: 2, threads: THREADS, x_bf16, out_bf16, norm: 0, nw_bf16: 0, batch: 1, xld: 0, old: 0, woff: 0, xb: 0, wb: 0, ob: 0 };
             let (form, _) = bf16_gemm_form(m, n, k, x_bf16 == 1, &cx.consts);
             let partials = if form.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
             let params = tiled_ring(LinearBf16GemmParams { split: form.split, mt: form.mt, nt: form.nt, ks: form.ks, partials, ..base }, cx.smem_limit)?;
@@ -431,6 +431,13 @@ pub(super) fn group_instance(cx: &Cx, op: &Op, fuse_norm: bool) -> Result<Option
         out_bf16,
         norm: fused.is_some() as u32,
         nw_bf16,
+        batch: 1,
+        xld: 0,
+        old: 0,
+        woff: 0,
+        xb: 0,
+        wb: 0,
+        ob: 0,
     };
     let params = tiled_ring(params, cx.smem_limit)?;
     fits(params.dynamic_smem()? as usize, cx.smem_limit, "the grouped BF16 GEMM")?;

@@ -18,6 +18,7 @@ mod moe;
 mod norm;
 mod router;
 
+pub use attention::output_gemm;
 pub use collective::{P2P_GATHER_PAIRS, P2P_SPINS};
 pub use gemm::{bf16_gemm_form, bf16_group_form, nvfp4_gemm_form, Bf16Form, GROUP_MAX};
 pub use indexer::{fast_positions, select_chunk, SELECT_THREADS};
@@ -221,11 +222,12 @@ pub fn lower(plan: &mut Plan) -> Result<(), CompileError> {
 }
 
 /// Whether a step of family `step` may launch a kernel of family `kernel`: its own, for the
-/// router the BF16 linear that computes its gate product, for a BF16 linear group its norm, for
-/// an rmsnorm or an all-reduce the residual's add, for an all-reduce also the norm after it.
+/// router the BF16 linear that computes its gate product, for attention the BF16 GEMM of its
+/// output projection, for a BF16 linear group its norm, for an rmsnorm or an all-reduce the
+/// residual's add, for an all-reduce also the norm after it.
 fn may_launch(step: KernelFamily, kernel: KernelFamily) -> bool {
     kernel == step
-        || (step == KernelFamily::Router && kernel == KernelFamily::LinearBf16)
+        || (matches!(step, KernelFamily::Router | KernelFamily::MlaAttention) && kernel == KernelFamily::LinearBf16)
         || (matches!(step, KernelFamily::LinearBf16 | KernelFamily::Collective) && kernel == KernelFamily::RmsNorm)
         || (matches!(step, KernelFamily::RmsNorm | KernelFamily::Collective) && kernel == KernelFamily::Add)
 }
