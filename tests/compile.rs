@@ -763,7 +763,8 @@ fn attention_absorbs_kv_b_once_per_step_in_prefill_as_in_decode() {
     // the fused prefill launch did: 3.7 MB a token, 7.5 GB a layer at 2,048 tokens), each split
     // of the top-k rows' softmax state (MODE 1), then the combine and the output projection by
     // W_UV (MODE 3, or MODE 1 and MODE 2), with its scratch sized for every token of the program.
-    // Chunks of 512 tokens and more project the contexts by W_UV as one batched tensor-core GEMM
+    // Chunks of 512 tokens and more take a block per two tokens for the split states (`TT`: a
+    // pair below index_topk reads its rows once) and project the contexts by W_UV as one batched tensor-core GEMM
     // (a head per grid.z: the contexts in `absorbed`, W_UV inside kv_b, the op's output), which
     // MODE 2 re-reads once per 32 rows of W_UV
     let art = Path::new(env!("CARGO_MANIFEST_DIR")).join("artifacts/GLM-5-NVFP4-sm120a-tp8");
@@ -783,6 +784,9 @@ fn attention_absorbs_kv_b_once_per_step_in_prefill_as_in_decode() {
                 .filter_map(|l| {
                     let k = plan.kernel(l.kernel);
                     let param = |name: &str| k.params.iter().find(|(n, _)| n == name).map(|(_, v)| *v);
+                    if k.template == "mla_attention" && p.name.starts_with("prefill") && tokens >= 512 {
+                        assert_eq!(param("TT"), Some(2), "{} step {s}: a {tokens}-token chunk's attention takes a block per two tokens", p.name);
+                    }
                     match k.template.as_str() {
                         "mla_split" | "mla_attention" => Some((k.template.clone(), param("MODE"))),
                         "linear_bf16_gemm" if param("BATCH") == Some(heads as u64) => {

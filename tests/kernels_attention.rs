@@ -56,6 +56,12 @@ struct Case {
     /// 0: the fused launch; else split-KV decode in this many splits of the top-k row (absorb,
     /// split states, combine, output projection).
     splits: usize,
+    /// A prefill chunk: the tokens at consecutive positions of sequence 0 from this one (padding
+    /// every `pad_every`-th), with top-k rows as the indexer writes them (every position up to
+    /// the token's while they fit, else a random `topk` of them; ascending, then -1). With one
+    /// split and an even number of tokens the split states are also computed a block per two
+    /// tokens (`TT` = 2) and must equal the block-per-token ones bit for bit.
+    prefill_from: Option<usize>,
 }
 
 fn below(rng: &mut Rng, n: usize) -> usize {
@@ -147,13 +153,27 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
         let s = below(&mut rng, c.seqs.len());
         token_seq[t] = s as i32;
         positions[t] = below(&mut rng, c.seqs[s]) as i32;
+        if let Some(start) = c.prefill_from {
+            (token_seq[t], positions[t]) = (0, (start + t) as i32);
+        }
     }
     let slots_in = vec![-1i32; c.tokens];
 
     // Top-k rows: distinct causal positions in random order, then -1; one future position and
     // one -1 in the middle of every row that has room (both must be skipped).
     let mut ids = vec![-1i32; c.tokens * c.topk.max(1)];
-    if c.topk > 0 {
+    if c.topk > 0 && c.prefill_from.is_some() {
+        for t in 0..c.tokens {
+            let n = positions[t].max(0) as usize + 1;
+            let mut cand: Vec<i32> = (0..n as i32).collect();
+            for i in (1..cand.len()).rev() {
+                cand.swap(i, below(&mut rng, i + 1));
+            }
+            let mut chosen = cand[..n.min(c.topk)].to_vec();
+            chosen.sort_unstable();
+            ids[t * c.topk..][..chosen.len()].copy_from_slice(&chosen);
+        }
+    } else if c.topk > 0 {
         for t in 0..c.tokens {
             let pos = positions[t].max(0) as usize;
             let mut cand: Vec<i32> = (0..=pos as i32).collect();
@@ -215,6 +235,7 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
         split: c.topk as u32,
         stage: 0,
         coop: 0,
+        tt: 1,
     };
     let mut gm = GlobalMemory::new();
     let bq = gm.alloc_bytes("q", &bytes(&q, c.q_bf16));
@@ -236,6 +257,7 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
     let mut args: Vec<KernelArg> = [bq, bw, bt, bp, bs, bpt, bc, br, bo, ba, bpa].iter().map(|&b| KernelArg::U64(gm.addr(b))).collect();
     args.push(KernelArg::F32(c.scale));
     let (mut cache_read, mut staged_read, mut combined, mut coop_out, mut gemm_out) = (0u64, Vec::new(), Vec::new(), None, None);
+    let mut pair_read: Vec<(u32, u64)> = Vec::new();
     // the most 128-dim latent chunks of every warp's tile the q_abs | ctx region holds (lowering's STAGE)
     let fits = |threads: u32, mma: u32| if mma == 1 { (c.hg * nl * 1024 / ((threads as usize / 32) * 16 * 256)).min(nl) } else { 0 };
     let stats = if c.splits == 0 {
@@ -335,6 +357,26 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
             let m = Module::parse(&coop.render().unwrap(), "mla_attention.ptx").unwrap();
             launch(&m, MlaAttentionParams::ENTRY, grid, [threads, 1, 1], coop.dynamic_smem().unwrap(), &args, &mut gm).unwrap();
             let states = (gm.read(bpa), gm.bytes_loaded(bc) - before, w);
+            // a block per two tokens (prefill), with one staging round and with rounds of a block's
+            // threads: the same states bit for bit, each row of a pair below `topk` loaded once
+            if c.prefill_from.is_some() && c.splits == 1 && c.tokens % 2 == 0 {
+                let xs = coop.xs.max(2 * 3 * coop.hg * coop.qbs + w as u32 * 576);
+                // (the largest chunk within shared memory, as lowering halves it)
+                let mut fitting = coop.chunk;
+                while (MlaAttentionParams { tt: 2, xs, chunk: fitting, ..coop }).dynamic_smem().unwrap() > SMEM_LIMIT {
+                    fitting /= 2;
+                }
+                for chunk in [fitting, threads] {
+                    let pair = MlaAttentionParams { tt: 2, xs, chunk, ..coop };
+                    gm.write(bpa, 0, &vec![0xFF; unstaged.len()]);
+                    let before = gm.bytes_loaded(bc);
+                    let m = Module::parse(&pair.render().unwrap(), "mla_attention.ptx").unwrap();
+                    let pgrid = [grid[0], grid[1] / 2, grid[2]];
+                    launch(&m, MlaAttentionParams::ENTRY, pgrid, [threads, 1, 1], pair.dynamic_smem().unwrap(), &args, &mut gm).unwrap();
+                    assert!(gm.read(bpa) == states.0, "a block per two tokens (chunk {chunk}) wrote other states than a block per token");
+                    pair_read.push((chunk, gm.bytes_loaded(bc) - before));
+                }
+            }
             gm.write(bpa, 0, &unstaged);
             states
         });
@@ -457,6 +499,27 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
         if let Some((read, warps, _)) = &coop_out {
             assert_eq!(*read as usize, want, "cache bytes read by {warps} warps taking each tile together");
         }
+        // a block per two tokens: a pair of one sequence below `topk` reads the later token's
+        // rows once for both, any other pair each token's rows
+        let rows_of = |t: usize| {
+            let row_pages = &page_table[token_seq[t].max(0) as usize * pages_per_seq..][..pages_per_seq];
+            let pos = positions[t] as usize;
+            ids[t * c.topk..(t + 1) * c.topk].iter().filter(|&&j| j >= 0 && j as usize <= pos && row_pages.get(j as usize / c.page_size).is_some_and(|&p| p >= 0)).count()
+        };
+        let active = |t: usize| token_seq[t] >= 0;
+        let pair_rows: usize = (0..c.tokens / 2)
+            .map(|b| {
+                let (t0, t1) = (2 * b, 2 * b + 1);
+                let dense = active(t0) && token_seq[t1] == token_seq[t0] && (positions[t0] as usize) < c.topk && (positions[t1] as usize) < c.topk;
+                if dense { rows_of(t0).max(rows_of(t1)) } else { [t0, t1].into_iter().filter(|&t| active(t)).map(rows_of).sum() }
+            })
+            .sum();
+        for &(chunk, read) in &pair_read {
+            assert_eq!(read as usize, groups * pair_rows * (g.latent + g.rope) * 2, "cache bytes read a block per two tokens (chunk {chunk})");
+        }
+        if !pair_read.is_empty() {
+            eprintln!("a block per two tokens: {pair_rows} rows of {selected_rows}");
+        }
         let mma_rows = (2 * g.latent + g.rope) as f64 / (g.latent + g.rope) as f64;
         assert!(want > 0 && (1.0..=if layout.0 == 1 { mma_rows } else { 1.0 }).contains(&ratio), "cache bytes read / compulsory = {ratio}");
     }
@@ -536,6 +599,7 @@ fn case(tokens: usize, hg: usize, topk: usize) -> Case {
         out_bf16: true,
         scale: 0.35,
         splits: 0,
+        prefill_from: None,
     }
 }
 
@@ -588,6 +652,35 @@ fn split_kv_decode_matches_the_cpu() {
     c.q_bf16 = false;
     c.out_bf16 = false;
     run(&c, 110);
+}
+
+#[test]
+fn prefill_pairs_share_the_rows_below_topk() {
+    // Prefill chunks of 12 tokens with one split: pairs wholly below k = 16 (one sequence, every
+    // position up to each selected) share their rows, the pair across k and those past it do
+    // not, nor the pairs with a padding token; the page hole of the longest sequence drops rows
+    // from the shared ones; k = 40 takes two staging rounds of 32 at rounds of one block.
+    for (i, &(start, topk, pad)) in [(0, 16, 0), (9, 16, 5), (20, 40, 7)].iter().enumerate() {
+        let mut c = case(12, 8, topk);
+        c.seqs = vec![40, 23];
+        c.splits = 1;
+        c.pad_every = pad;
+        c.prefill_from = Some(start);
+        run(&c, 140 + i as u64);
+    }
+    // GLM-5's geometry (8 warps of 64 dims), k = 2048: a chunk from position 2040 (pairs below,
+    // across and past k)
+    let mut c = case(8, 8, 2048);
+    c.geo = Geo { heads: 8, nope: 192, rope: 64, v: 256, latent: 512, index: 128 };
+    c.qs = 1;
+    c.page_size = 64;
+    c.max_context = 4096;
+    c.seqs = vec![3000, 2100];
+    c.pad_every = 0;
+    c.scale = 0.0722;
+    c.splits = 1;
+    c.prefill_from = Some(2042);
+    run(&c, 150);
 }
 
 #[test]
@@ -729,6 +822,7 @@ fn glm5_and_tiny_instances_assemble_for_sm_120a() {
         split: topk,
         stage: 0,
         coop: 0,
+        tt: 1,
         }
     };
     let mut worst = (0, 0);
@@ -770,6 +864,7 @@ fn glm5_and_tiny_instances_assemble_for_sm_120a() {
             split: topk,
             stage: 0,
             coop: 0,
+            tt: 1,
         };
         ptxas_check(&format!("tiny_hg{hg}_k{topk}_t{threads}_mma{mma}"), &p, &ptxas);
     }

@@ -417,7 +417,7 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
     let plan = kiln_runtime::plan::read_plan(&dir.join("plan")).expect("plan");
     // (what, program, predicate on one of the step's launches, real tokens, first position)
     type Pick = (&'static str, &'static str, LaunchPick, usize, u32);
-    let picks: [Pick; 20] = [
+    let picks: [Pick; 21] = [
         ("a merged launch: the router's gate product with its selection as the tail, beside the shared expert's gate/up", "decode_1", |pl, l| plan_template(pl, l) == "merged" && pl.kernel(l.kernel).parts.iter().any(|q| pl.kernel(q.kernel).template == "router"), 1, 300),
         ("rmsnorm over column blocks (a group's input norm)", "decode_4", |pl, l| plan_template(pl, l) == "rmsnorm" && param(pl, l, "CB") > 1, 4, 300),
         ("the residual add and the norm an all-reduce launches after NCCL", "decode_64", |pl, l| plan_template(pl, l) == "add", 64, 300),
@@ -434,7 +434,8 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
         ("split-KV attention, 3 of 64 tokens", "decode_64", |pl, l| plan_template(pl, l) == "mla_split", 3, 150),
         ("split-KV attention with every tile taken by all 8 warps, 3 of 64 tokens", "decode_64", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "COOP") == 1, 3, 150),
         ("prefill attention in the split form, up to 4 splits a token, 3 of 128 tokens", "prefill_128", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "MODE") == 1, 3, 150),
-        ("prefill attention on the tensor cores, one split a token", "prefill_512", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "MMA") == 1 && param(pl, l, "SPLITS") == 1, 2, 150),
+        ("prefill attention on the tensor cores, one split a token, a block per two tokens: a pair below index_topk sharing its rows (and the output projection's batched GEMM)", "prefill_512", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "MMA") == 1 && param(pl, l, "SPLITS") == 1 && param(pl, l, "TT") == 2, 2, 150),
+        ("prefill attention a block per two tokens: a pair across index_topk, one token after the other", "prefill_512", |pl, l| plan_template(pl, l) == "mla_attention" && param(pl, l, "TT") == 2, 2, 2047),
         ("MoE on the tensor cores, down in 4-warp blocks of 32 columns", "prefill_128", |pl, l| plan_template(pl, l) == "moe_gate_up" && param(pl, l, "MMA") == 1, 2, 10),
         ("MoE on the CUDA cores at GLM-5 shapes", "decode_8", |pl, l| plan_template(pl, l) == "moe_gate_up" && param(pl, l, "MMA") == 0, 1, 10),
         ("indexer top-k scoring 3000 positions", "decode_1", |pl, l| plan_template(pl, l) == "indexer_topk", 1, 2999),

@@ -393,14 +393,17 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
 /// W_UK and W_UV (so kv_b is read once per token) and every selected latent row (so the rows are
 /// read once per head group). MODE 1 (split-KV decode): q_abs comes from the absorb launch, each
 /// split block stages q_rope and its share of the top-k row, and writes its heads' softmax
-/// states (padding tokens' too) instead of the output.
+/// states (padding tokens' too) instead of the output. TT = 2 (a block per two rows; lowered
+/// for prefill chunks, whose rows are one sequence's): a pair of tokens below TOPK reads the
+/// later one's top-k row and selected rows once for both, any other pair each token's.
 fn mla_attention(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), String> {
     let (heads, hg, nope, rope, v, latent) = (p.v("HEADS")?, p.v("HG")?, p.v("NOPE")?, p.v("ROPE")?, p.v("V")?, p.v("LATENT")?);
     let (topk, mma) = (p.v("TOPK")?, p.v("MMA")? == 1.0);
     let split = p.v("MODE")? == 1.0;
     let splits = l.grid[2] as f64;
     let groups = heads / hg;
-    let rows = l.grid[1] as f64;
+    let tt = p.v_or("TT", 1.0);
+    let rows = l.grid[1] as f64 * tt;
     let warps = l.block[0] as f64 / 32.0;
     let active = load.tokens.active() as f64;
     let os = p.size("OUT_BF16")?;
@@ -421,17 +424,29 @@ fn mla_attention(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<()
     // selected positions per token: the top-k list's valid entries, or every cached one
     let sel = |n: f64| if topk > 0.0 { n.min(topk) } else { n };
     let selected = load.tokens.sum(sel);
+    // the rows' lists the blocks read and their selected positions (a shared pair's once)
+    let (lists, block_selected) = if tt == 2.0 {
+        load.tokens.positions.chunks(2).fold((0.0, 0.0), |(l, s), pair| match *pair {
+            [Some(a), Some(b)] if a as f64 + 1.0 <= topk && b as f64 + 1.0 <= topk => (l + 1.0, s + sel(a.max(b) as f64 + 1.0)),
+            _ => {
+                let real = pair.iter().flatten();
+                (l + real.clone().count() as f64, s + real.map(|&p| sel(p as f64 + 1.0)).sum::<f64>())
+            }
+        })
+    } else {
+        (active, selected)
+    };
     if topk > 0.0 {
-        c.read(Class::Activations, active * topk * 4.0, groups);
+        c.read(Class::Activations, lists * topk * 4.0, groups);
     }
-    c.read(Class::Aux, selected * 4.0, groups);
+    c.read(Class::Aux, block_selected * 4.0, groups);
     // every head group loads each selected row; MMA: the scores load latent | rope for the
     // tensor cores, the context the latent dims again that STAGE did not keep in shared memory
     // (COOP: each warp keeps its share of every row's dims, none are read again)
     let coop = p.v_or("COOP", 0.0) == 1.0;
     let unstaged = if mma && !coop { (latent - 128.0 * p.v("STAGE")?).max(0.0) } else { 0.0 };
     let row = latent + rope + unstaged;
-    c.read(Class::Kv, selected * (latent + rope) * 2.0, groups * row / (latent + rope));
+    c.read(Class::Kv, block_selected * (latent + rope) * 2.0, groups * row / (latent + rope));
     let per_block = if split { 0.0 } else { 2.0 * hg * latent * (nope + v) };
     c.flops.fp32 += active * groups * per_block + 2.0 * selected * heads * latent;
     if mma {

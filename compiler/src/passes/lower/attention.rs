@@ -106,6 +106,29 @@ fn split_threads(per_split: usize) -> u32 {
     (32 * per_split.div_ceil(MIN_SPLIT).clamp(2, 8)) as u32
 }
 
+/// The split instance with a block per two tokens (`TT` = 2), where it takes them: the
+/// cooperative tiles with one split (prefill chunks), an even number of tokens, both tokens'
+/// partial scores in the q_abs half and their entry counts beside the warp counts, and the
+/// second token's q terms within shared memory once the positions resolved per round (`CHUNK`)
+/// are halved as far as it takes (more rounds, the same rows). Where a chunk starts below
+/// `TOPK`, every position up to a token is selected and the pair's first token's rows are a
+/// prefix of the second's: the block loads each row once for both (a 2,048-token chunk of GLM-5
+/// tp8 from position 0: half of attention's KV reads). Elsewhere the block runs its two tokens
+/// one after the other, with the same bytes as two blocks. None where it does not apply.
+fn token_pairs(params: MlaAttentionParams, tokens: usize, smem_limit: u32) -> Result<Option<MlaAttentionParams>, String> {
+    let warps = params.threads as usize / 32;
+    let applies = params.mode == 1 && params.coop == 1 && params.splits == 1 && tokens % 2 == 0 && 3 * warps <= 32 && 2 * 2 * warps * 512 <= (params.hg * params.nl * 512) as usize;
+    if !applies {
+        return Ok(None);
+    }
+    let xs = params.xs.max(2 * 3 * params.hg * params.qbs + warps as u32 * 576);
+    let mut pair = MlaAttentionParams { tt: 2, xs, ..params };
+    while pair.dynamic_smem()? > smem_limit && pair.chunk > params.threads {
+        pair.chunk /= 2;
+    }
+    Ok((pair.dynamic_smem()? <= smem_limit && pair.chunk % params.threads == 0).then_some(pair))
+}
+
 /// Warps of a split block whose warps take each tile together (`COOP`): the most, up to 8, that
 /// share the latent equally in runs of 32 or 64 dims (one or two fragment loads a row, held in
 /// registers a tile ahead), with their partial scores (two buffers of 512 B a warp) inside the
@@ -282,6 +305,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             split: per as u32,
             stage: stage as u32,
             coop: coop.is_some() as u32,
+            tt: 1,
         }
     };
     // The preferred head group (split: all heads that fit, the splits fill the GPU), or smaller
@@ -298,6 +322,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     }
     let smem = params.dynamic_smem()?;
     fits(smem as usize, cx.smem_limit, &format!("MLA attention over {hg} heads"))?;
+    let params = token_pairs(params, tokens, cx.smem_limit)?.unwrap_or(params);
     if tokens > 65_535 {
         return Err(format!("{tokens} tokens exceed the grid's y dimension"));
     }
@@ -315,7 +340,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         partials: Ptr::Buffer(partials),
         scale,
     };
-    let attention = of_grid(&params, [(heads / hg) as u32, tokens as u32, n_splits as u32], params.threads, args.launch_args());
+    let attention = of_grid(&params, [(heads / hg) as u32, (tokens / params.tt as usize) as u32, n_splits as u32], params.threads, args.launch_args());
     if !split {
         return Ok(vec![attention]);
     }
