@@ -376,8 +376,8 @@ fn bf16_gemm_batches_strided_slices_of_wider_rows() {
 
 #[test]
 fn bf16_gemm_matches_the_cpu_on_ragged_shapes() {
-    // 64- and 128-row blocks, stages of 32 and 64 K in rings of 2 to 4 buffers, F32 activations
-    // split in 3 planes
+    // 64-, 128- and 256-row blocks, stages of 32 and 64 K in rings of 2 to 4 buffers, F32
+    // activations split in 3 planes
     let cases = [
         (33, 40, 80, true, true, tiled(2, 2, 3)),
         (50, 72, 272, true, false, tiled(4, 4, 2)),
@@ -386,6 +386,8 @@ fn bf16_gemm_matches_the_cpu_on_ragged_shapes() {
         (50, 40, 200, false, false, tiled(2, 2, 2)),
         (200, 136, 136, true, true, tiled(4, 2, 4)),
         (130, 40, 72, true, false, tiled(4, 2, 4)),
+        (300, 136, 136, true, true, tiled(8, 2, 3)),
+        (257, 40, 200, true, false, tiled(8, 2, 3)),
     ];
     for (i, &(m, n, k, x_bf16, out_bf16, f)) in cases.iter().enumerate() {
         bf16_case(m, n, k, x_bf16, out_bf16, f, 600 + i as u64);
@@ -654,6 +656,8 @@ fn glm5_prefill_shapes_assemble_without_spills() {
                 let (picked, _) = bf16_gemm_form(m as usize, n as usize, k as usize, x_bf16 == 1, &Constants::SM120A);
                 let f = if picked.split == 1 {
                     split_k(picked.mt, picked.nt, picked.ks)
+                } else if picked.mt == 8 {
+                    tiled(8, 2, 3)
                 } else if picked.mt == 4 {
                     Form { ks: picked.ks, ..tiled(4, 2, 4) }
                 } else {

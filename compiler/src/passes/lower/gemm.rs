@@ -1,7 +1,7 @@
 //! Tensor-core GEMMs for the `Op::Linear` steps the GEMV templates do not take (M > 32 in
 //! prefill, or decode batches whose activations do not fit in shared memory).
 //!
-//! Tiled forms: 64-row blocks (`grid.y`; 128 for BF16 prefill with BF16 activations) by
+//! Tiled forms: 64-row blocks (`grid.y`; 128 or 256 for BF16 prefill with BF16 activations) by
 //! 128-column blocks (`grid.x`: consecutive blocks share an activation tile in L2), K streamed
 //! through a ring of cp.async stages. Decode-sized M uses the split-K forms: small blocks whose 8
 //! warps share out K and add their partial sums in warp order, so even a 256-row projection gets
@@ -88,6 +88,9 @@ impl Bf16Form {
 /// stages fills and drains once per block).
 const MIN_TILED_STAGES: usize = 8;
 
+/// m16 tiles per warp of the 256-row prefill tile (BF16 activations).
+const WIDE_MT: u32 = 8;
+
 /// Most K slices of a prefill (128-row) tile: ptxas 12.9 spills such a block that adds 12 slices
 /// into its 64 accumulators (the unrolled slice sum), not one that adds 6.
 const MAX_PREFILL_KS: u32 = 6;
@@ -121,8 +124,12 @@ pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Const
     let cost = bf16_cost(m, n, k, x_bf16, None, consts);
     if m > BF16_SPLIT_MAX_M {
         // a narrow projection's tiles alone leave most SMs idle (q_a's 256 columns of a 2,048-token
-        // chunk: 32 blocks): its K shared out too, where the partial sums fit the region
-        let best = cheapest(bf16_tiled_forms(tiled, m, n, k).filter(|f| f.ks <= MAX_PREFILL_KS), &cost).unwrap_or(tiled);
+        // chunk: 32 blocks): its K shared out too, where the partial sums fit the region; a wide
+        // one's 256-row blocks read its weights half as often (o_proj of a 2,048-token chunk: 8
+        // row blocks, not 16), with K in one block (their 128 accumulators a thread leave no
+        // registers for a slice sum)
+        let wide = (x_bf16 && m > 4 * GEMM_BM).then_some(Bf16Form { mt: WIDE_MT, ..tiled });
+        let best = cheapest(bf16_tiled_forms(tiled, m, n, k).filter(|f| f.ks <= MAX_PREFILL_KS).chain(wide), &cost).unwrap_or(tiled);
         return (best, cost(&best));
     }
     let best = cheapest(bf16_split_forms(m, n, k).chain(bf16_tiled_forms(tiled, m, n, k)), &cost).unwrap_or(tiled);
@@ -248,8 +255,9 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         LinearWeights::Bf16 { weight } => {
             super::bf16_linear_shape(k, epilogue, "GEMM")?;
             // Decode-sized M: split K over the warps of small blocks, enough of them to keep the
-            // weights streaming. Else 128-row blocks halve the weight traffic of long prefills;
-            // F32 activations (three BF16 planes) and short ones keep 64 rows.
+            // weights streaming. Else 128-row blocks halve the weight traffic of long prefills
+            // (256-row ones again where the byte model prefers them); F32 activations (three
+            // BF16 planes) and short ones keep 64 rows.
             let base = LinearBf16GemmParams { arch: cx.arch, m: u(m), n: u(n), k: u(k), segs: 1, c1: 0, c2: 0, c3: 0, split: 0, ks: 1, partials: 0, mt: 2, nt: 1, kb: BF16_KB, nbuf: 2, threads: THREADS, x_bf16, out_bf16, norm: 0, nw_bf16: 0, batch: 1, xld: 0, old: 0, woff: 0, xb: 0, wb: 0, ob: 0 };
             let (form, _) = bf16_gemm_form(m, n, k, x_bf16 == 1, &cx.consts);
             let partials = if form.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
@@ -471,6 +479,12 @@ mod tests {
         // 2,048-column projection of a 2,048-token chunk fill the SMs with K in one block.
         assert_eq!(form(2048, 2048, 6144, true), Bf16Form { split: 0, mt: 4, nt: 1, ks: 1 });
         assert_eq!(form(2048, 2048, 6144, false), Bf16Form { split: 0, mt: 2, nt: 1, ks: 1 });
+        // o_proj's 6,144 columns of that chunk (K 2,048): 768 tiles of 128 rows read x 48 times
+        // and the weights 16 times (403 + 403 MB); 384 tiles of 256 rows still fill the SMs and
+        // read the weights 8 times (403 + 201 MB). The 2,048-column projection above keeps 128
+        // rows: 128 tiles of 256 would leave 60 SMs idle.
+        assert_eq!(form(2048, 6144, 2048, true), Bf16Form { split: 0, mt: 8, nt: 1, ks: 1 });
+        assert_eq!(form(8192, 2048, 2048, true), Bf16Form { split: 0, mt: 8, nt: 1, ks: 1 });
         // q_a's 256 columns of that chunk are 32 tiles: at 32/188 of the bandwidth, x twice
         // (25.2 MB each) and the weights 16 times (3.1 MB each) are 591 MB-equivalents; K over 6
         // blocks makes 192 blocks for 125.8 MB with the partials' 2 x 12.6 MB (4 slices: 128
