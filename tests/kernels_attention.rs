@@ -603,6 +603,20 @@ fn case(tokens: usize, hg: usize, topk: usize) -> Case {
     }
 }
 
+/// One GLM-5 tp8 rank's attention (8 local heads, k = 2048, pages of 64) over sequences of 3,000
+/// and 2,100 positions, every third token padding.
+fn glm5_case(tokens: usize, hg: usize) -> Case {
+    let mut c = case(tokens, hg, 2048);
+    c.geo = Geo { heads: 8, nope: 192, rope: 64, v: 256, latent: 512, index: 128 };
+    c.qs = 1;
+    c.page_size = 64;
+    c.max_context = 4096;
+    c.seqs = vec![3000, 2100];
+    c.pad_every = 3;
+    c.scale = 0.0722; // 1 / sqrt(192 + 64)
+    c
+}
+
 #[test]
 fn sparse_attention_matches_the_cpu() {
     // k = 16 (tiny index_topk): sequences shorter (3, 9) and longer (23, 40) than k.
@@ -670,14 +684,8 @@ fn prefill_pairs_share_the_rows_below_topk() {
     }
     // GLM-5's geometry (8 warps of 64 dims), k = 2048: a chunk from position 2040 (pairs below,
     // across and past k)
-    let mut c = case(8, 8, 2048);
-    c.geo = Geo { heads: 8, nope: 192, rope: 64, v: 256, latent: 512, index: 128 };
-    c.qs = 1;
-    c.page_size = 64;
-    c.max_context = 4096;
-    c.seqs = vec![3000, 2100];
+    let mut c = glm5_case(8, 8);
     c.pad_every = 0;
-    c.scale = 0.0722;
     c.splits = 1;
     c.prefill_from = Some(2042);
     run(&c, 150);
@@ -731,17 +739,11 @@ fn glm5_geometry_matches_the_cpu() {
     // with sequences longer than k: a decode-like instance (one head per block, 16 warps) and a
     // prefill-like one (8 heads per block, scores on the tensor cores and on the CUDA cores).
     for (hg, threads, qs, mma) in [(1, 512, 8, false), (8, 256, 1, true), (8, 256, 1, false)] {
-        let mut c = case(3, hg, 2048);
+        let mut c = glm5_case(3, hg);
         c.mma = mma;
-        c.geo = Geo { heads: 8, nope: 192, rope: 64, v: 256, latent: 512, index: 128 };
         c.threads = threads;
         c.chunk = 2048;
         c.qs = qs;
-        c.page_size = 64;
-        c.max_context = 4096;
-        c.seqs = vec![3000, 2100];
-        c.pad_every = 3;
-        c.scale = 0.0722; // 1 / sqrt(192 + 64)
         let (stats, _) = run(&c, 80 + hg as u64);
         // Warp instructions issued: a proxy for the GPU time of the three variants.
         eprintln!("GLM-5 hg={hg} mma={mma}: {} warp instructions for 2 active tokens", stats.counters.warp_instructions);
@@ -754,15 +756,8 @@ fn glm5_split_kv_decode_matches_the_cpu() {
     // (batch 1; 64 of 32 at batch 8) and 6 splits of 342 (batch 64), scores on the tensor cores
     // (with 2 warps the tile rows staged for the context) and the CUDA cores.
     for (splits, mma) in [(128, true), (64, true), (6, true), (6, false)] {
-        let mut c = case(3, 8, 2048);
+        let mut c = glm5_case(3, 8);
         c.mma = mma;
-        c.geo = Geo { heads: 8, nope: 192, rope: 64, v: 256, latent: 512, index: 128 };
-        c.qs = 1;
-        c.page_size = 64;
-        c.max_context = 4096;
-        c.seqs = vec![3000, 2100];
-        c.pad_every = 3;
-        c.scale = 0.0722;
         c.splits = splits;
         run(&c, 90 + splits as u64);
     }
