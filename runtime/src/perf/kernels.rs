@@ -394,8 +394,9 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
 /// read once per head group). MODE 1 (split-KV decode): q_abs comes from the absorb launch, each
 /// split block stages q_rope and its share of the top-k row, and writes its heads' softmax
 /// states (padding tokens' too) instead of the output. TT = 2 (a block per two rows; lowered
-/// for prefill chunks, whose rows are one sequence's): a pair of tokens below TOPK reads the
-/// later one's top-k row and selected rows once for both, any other pair each token's.
+/// for prefill programs only, whose rows are one sequence's by definition): a pair of tokens
+/// below TOPK reads the later one's top-k row and selected rows once for both, any other pair
+/// each token's.
 fn mla_attention(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), String> {
     let (heads, hg, nope, rope, v, latent) = (p.v("HEADS")?, p.v("HG")?, p.v("NOPE")?, p.v("ROPE")?, p.v("V")?, p.v("LATENT")?);
     let (topk, mma) = (p.v("TOPK")?, p.v("MMA")? == 1.0);

@@ -17,7 +17,7 @@ use super::gemm::{tiled_ring, GEMM_BN};
 use super::{candidate_us, fits, float_flag, numel, of_grid, width, Cx, Instance, THREADS};
 use kiln_runtime::perf::{launch_time, Bytes, Constants, Cost, Flops};
 use crate::kernels::{LinearBf16GemmArgs, LinearBf16GemmParams, MlaAttentionArgs, MlaAttentionParams, MlaSplitArgs, MlaSplitParams, Ptr};
-use kiln_runtime::plan::{DType, Op, SplitKLayout};
+use kiln_runtime::plan::{DType, Op, ProgramKind, SplitKLayout};
 
 /// Context accumulators a lane may hold: heads per block x 4 dims x latent chunks of 128.
 const MAX_CTX_REGS: usize = 128;
@@ -106,8 +106,9 @@ fn split_threads(per_split: usize) -> u32 {
     (32 * per_split.div_ceil(MIN_SPLIT).clamp(2, 8)) as u32
 }
 
-/// The split instance with a block per two tokens (`TT` = 2), where it takes them: the
-/// cooperative tiles with one split (prefill chunks), an even number of tokens, both tokens'
+/// The split instance with a block per two tokens (`TT` = 2), where it takes them: a prefill
+/// program (one sequence, as the byte model assumes of its pairs), the cooperative tiles with one
+/// split, an even number of tokens, both tokens'
 /// partial scores in the q_abs half and their entry counts beside the warp counts, and the
 /// second token's q terms within shared memory once the positions resolved per round (`CHUNK`)
 /// are halved as far as it takes (more rounds, the same rows). Where a chunk starts below
@@ -115,9 +116,10 @@ fn split_threads(per_split: usize) -> u32 {
 /// prefix of the second's: the block loads each row once for both (a 2,048-token chunk of GLM-5
 /// tp8 from position 0: half of attention's KV reads). Elsewhere the block runs its two tokens
 /// one after the other, with the same bytes as two blocks. None where it does not apply.
-fn token_pairs(params: MlaAttentionParams, tokens: usize, smem_limit: u32) -> Result<Option<MlaAttentionParams>, String> {
+fn token_pairs(params: MlaAttentionParams, tokens: usize, prefill: bool, smem_limit: u32) -> Result<Option<MlaAttentionParams>, String> {
     let warps = params.threads as usize / 32;
-    let applies = params.mode == 1 && params.coop == 1 && params.splits == 1 && tokens % 2 == 0 && 3 * warps <= 32 && 2 * 2 * warps * 512 <= (params.hg * params.nl * 512) as usize;
+    let applies = prefill
+        && params.mode == 1 && params.coop == 1 && params.splits == 1 && tokens % 2 == 0 && 3 * warps <= 32 && 2 * 2 * warps * 512 <= (params.hg * params.nl * 512) as usize;
     if !applies {
         return Ok(None);
     }
@@ -322,7 +324,8 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     }
     let smem = params.dynamic_smem()?;
     fits(smem as usize, cx.smem_limit, &format!("MLA attention over {hg} heads"))?;
-    let params = token_pairs(params, tokens, cx.smem_limit)?.unwrap_or(params);
+    let prefill = matches!(p.kind, ProgramKind::Prefill { .. });
+    let params = token_pairs(params, tokens, prefill, cx.smem_limit)?.unwrap_or(params);
     if tokens > 65_535 {
         return Err(format!("{tokens} tokens exceed the grid's y dimension"));
     }
