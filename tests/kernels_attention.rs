@@ -9,7 +9,7 @@
 mod common;
 use common::{bytes, floats, randn};
 use kiln_compiler::kernels::{LinearBf16GemmParams, MlaAttentionParams, MlaSplitParams};
-use kiln_compiler::passes::lower::{output_gemm, SMEM_LIMIT};
+use kiln_compiler::passes::lower::{output_gemm, token_pairs, SMEM_LIMIT};
 use kiln_runtime::cpu::reference::{self, Cache, MlaGeometry, TokenInputs};
 use kiln_runtime::cpu::rope::Rope;
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
@@ -58,9 +58,10 @@ struct Case {
     splits: usize,
     /// A prefill chunk: the tokens at consecutive positions of sequence 0 from this one (padding
     /// every `pad_every`-th), with top-k rows as the indexer writes them (every position up to
-    /// the token's while they fit, else a random `topk` of them; ascending, then -1). With one
-    /// split and an even number of tokens the split states are also computed a block per two
-    /// tokens (`TT` = 2) and must equal the block-per-token ones bit for bit.
+    /// the token's while they fit, else a random `topk` of them; ascending, then -1). The split
+    /// states are also computed a block per two tokens (`TT` = 2, lowering's instance: the case
+    /// must have one split and an even number of tokens) and must equal the block-per-token ones
+    /// bit for bit.
     prefill_from: Option<usize>,
 }
 
@@ -359,15 +360,12 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
             let states = (gm.read(bpa), gm.bytes_loaded(bc) - before, w);
             // a block per two tokens (prefill), with one staging round and with rounds of a block's
             // threads: the same states bit for bit, each row of a pair below `topk` loaded once
-            if c.prefill_from.is_some() && c.splits == 1 && c.tokens % 2 == 0 {
-                let xs = coop.xs.max(2 * 3 * coop.hg * coop.qbs + w as u32 * 576);
-                // (the largest chunk within shared memory, as lowering halves it)
-                let mut fitting = coop.chunk;
-                while (MlaAttentionParams { tt: 2, xs, chunk: fitting, ..coop }).dynamic_smem().unwrap() > SMEM_LIMIT {
-                    fitting /= 2;
-                }
-                for chunk in [fitting, threads] {
-                    let pair = MlaAttentionParams { tt: 2, xs, chunk, ..coop };
+            if c.prefill_from.is_some() {
+                // lowering's instance (its rounds as large as shared memory allows), then rounds of
+                // one block's threads
+                let lowered = token_pairs(coop, c.tokens, true, SMEM_LIMIT).unwrap().expect("a prefill case takes a block per two tokens");
+                for chunk in [lowered.chunk, threads] {
+                    let pair = MlaAttentionParams { chunk, ..lowered };
                     gm.write(bpa, 0, &vec![0xFF; unstaged.len()]);
                     let before = gm.bytes_loaded(bc);
                     let m = Module::parse(&pair.render().unwrap(), "mla_attention.ptx").unwrap();

@@ -13,7 +13,7 @@
 //! where the byte model prices it lower, as in prefill chunks, one batched tensor-core GEMM of a
 //! head per grid.z: [`output_gemm_us`]). Else one fused launch, a block per (token, group of heads).
 
-use super::gemm::{tiled_ring, GEMM_BN};
+use super::gemm::{tiled_ring, BF16_KB, GEMM_BN};
 use super::{candidate_us, fits, float_flag, numel, of_grid, width, Cx, Instance, THREADS};
 use kiln_runtime::perf::{launch_time, Bytes, Constants, Cost, Flops};
 use crate::kernels::{LinearBf16GemmArgs, LinearBf16GemmParams, MlaAttentionArgs, MlaAttentionParams, MlaSplitArgs, MlaSplitParams, Ptr};
@@ -116,7 +116,7 @@ fn split_threads(per_split: usize) -> u32 {
 /// prefix of the second's: the block loads each row once for both (a 2,048-token chunk of GLM-5
 /// tp8 from position 0: half of attention's KV reads). Elsewhere the block runs its two tokens
 /// one after the other, with the same bytes as two blocks. None where it does not apply.
-fn token_pairs(params: MlaAttentionParams, tokens: usize, prefill: bool, smem_limit: u32) -> Result<Option<MlaAttentionParams>, String> {
+pub fn token_pairs(params: MlaAttentionParams, tokens: usize, prefill: bool, smem_limit: u32) -> Result<Option<MlaAttentionParams>, String> {
     let warps = params.threads as usize / 32;
     let applies = prefill
         && params.mode == 1 && params.coop == 1 && params.splits == 1 && tokens % 2 == 0 && 3 * warps <= 32 && 2 * 2 * warps * 512 <= (params.hg * params.nl * 512) as usize;
@@ -183,7 +183,7 @@ fn output_gemm_us(tokens: usize, heads: usize, v: usize, latent: usize, out_size
 #[allow(clippy::too_many_arguments)]
 pub fn output_gemm(arch: u32, tokens: usize, heads: usize, nope: usize, v: usize, latent: usize, out_bf16: u32, smem_limit: u32) -> Result<(LinearBf16GemmParams, [u32; 3]), String> {
     let u = |n: usize| n as u32;
-    let base = LinearBf16GemmParams { arch, m: u(tokens), n: u(v), k: u(latent), segs: 1, c1: 0, c2: 0, c3: 0, split: 0, ks: 1, partials: 0, mt: u(OUTPUT_GEMM_ROWS / 32), nt: 1, kb: 2, nbuf: 2, threads: THREADS, x_bf16: 0, out_bf16, norm: 0, nw_bf16: 0, batch: u(heads), xld: u(heads * latent), old: u(heads * v), woff: u(nope * latent), xb: u(latent), wb: u((nope + v) * latent), ob: u(v) };
+    let base = LinearBf16GemmParams { arch, m: u(tokens), n: u(v), k: u(latent), segs: 1, c1: 0, c2: 0, c3: 0, split: 0, ks: 1, partials: 0, mt: u(OUTPUT_GEMM_ROWS / 32), nt: 1, kb: BF16_KB, nbuf: 2, threads: THREADS, x_bf16: 0, out_bf16, norm: 0, nw_bf16: 0, batch: u(heads), xld: u(heads * latent), old: u(heads * v), woff: u(nope * latent), xb: u(latent), wb: u((nope + v) * latent), ob: u(v) };
     Ok((tiled_ring(base, smem_limit)?, [u(v.div_ceil(GEMM_BN)), u(tokens.div_ceil(OUTPUT_GEMM_ROWS)), u(heads)]))
 }
 

@@ -29,7 +29,7 @@ const BF16_SPLIT_MAX_M: usize = 64;
 /// reserved per block): one block loads or quantises while the other runs its mmas.
 const TWO_BLOCKS_SMEM: usize = 48 * 1024;
 /// k16 steps per stage of the tiled BF16 GEMM (64-byte rows: a 128-row block's stage is 20 KiB).
-const BF16_KB: u32 = 2;
+pub(super) const BF16_KB: u32 = 2;
 
 /// Stage buffers for stages of `stage` bytes: a ring of 3 or 4 within two blocks per SM if it
 /// fits, else as deep a ring as one block may have (at least double buffering).

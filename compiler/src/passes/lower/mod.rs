@@ -18,7 +18,7 @@ mod moe;
 mod norm;
 mod router;
 
-pub use attention::output_gemm;
+pub use attention::{output_gemm, token_pairs};
 pub use collective::{P2P_GATHER_PAIRS, P2P_SPINS};
 pub use gemm::{bf16_gemm_form, bf16_group_form, nvfp4_gemm_form, Bf16Form, GROUP_MAX};
 pub use indexer::{fast_positions, select_chunk, SELECT_THREADS};
