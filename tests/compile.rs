@@ -811,3 +811,37 @@ fn attention_absorbs_kv_b_once_per_step_in_prefill_as_in_decode() {
     }
     assert_eq!(prefill_steps, 5 * plan.model.num_hidden_layers, "every layer of the 5 prefill programs");
 }
+
+#[test]
+fn prefill_indexer_takes_a_block_per_two_tokens_where_they_fill_the_sms() {
+    use kiln_runtime::perf::Constants;
+    use kiln_runtime::plan::{read_plan, Op, ProgramKind};
+    // the shipped GLM-5 plan: prefill chunks with at least a pair per SM (512 tokens and more on
+    // sm_120a's 188 SMs) score and select a block per two tokens (`TT` = 2: a pair past
+    // index_topk loads each key once), smaller chunks and decode a block per token
+    let art = Path::new(env!("CARGO_MANIFEST_DIR")).join("artifacts/GLM-5-NVFP4-sm120a-tp8");
+    let plan = read_plan(&art).unwrap();
+    let (consts, _) = Constants::for_target(&plan.target).unwrap();
+    let mut paired = Vec::new();
+    for p in &plan.programs {
+        for step in &p.steps {
+            let Some(&Op::IndexerTopK { head_weights, .. }) = step.op.leaves().iter().find(|op| matches!(op, Op::IndexerTopK { .. })) else { continue };
+            let tokens = p.buffer(head_weights).shape[0];
+            for l in step.launches.iter().flat_map(|l| plan.part_launches(l)) {
+                let k = plan.kernel(l.kernel);
+                if k.template != "indexer_topk" {
+                    continue;
+                }
+                let param = |name: &str| k.params.iter().find(|(n, _)| n == name).map(|(_, v)| *v).unwrap();
+                let pairs = matches!(p.kind, ProgramKind::Prefill { .. }) && tokens / 2 >= consts.sms as usize;
+                assert_eq!(param("TT"), if pairs { 2 } else { 1 }, "{}: {}", p.name, k.name);
+                if pairs {
+                    assert_eq!((param("MODE"), l.grid), (0, [tokens as u32 / 2, 1, 1]), "{}", p.name);
+                    paired.push(p.name.clone());
+                }
+            }
+        }
+    }
+    paired.dedup();
+    assert_eq!(paired, ["prefill_512", "prefill_2048", "prefill_8192"]);
+}

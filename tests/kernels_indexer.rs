@@ -16,7 +16,7 @@ use kiln_compiler::kernels::IndexerTopkParams;
 use kiln_compiler::passes::lower::{fast_positions, select_chunk, SELECT_THREADS, SMEM_LIMIT, THREADS};
 use kiln_runtime::cpu::reference::{self, Cache, TokenInputs};
 use kiln_runtime::cpu::rope::Rope;
-use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
+use kiln_runtime::emu::{launch, BufferId, GlobalMemory, KernelArg, LaunchStats, Module};
 use kiln_runtime::numerics::{f32_to_bf16, round_bf16};
 use kiln_runtime::plan::{DType, KvLayout};
 use kiln_runtime::rng::Rng;
@@ -50,6 +50,7 @@ fn params(heads: usize, dim: usize, rope: usize, page: usize, pps: usize, topk: 
         mode: 0,
         fast: 0,
         chunk: 0,
+        tt: 1,
     }
 }
 
@@ -82,9 +83,9 @@ fn bf16_bytes(v: &[f32]) -> Vec<u8> {
 }
 
 /// Runs one case on the emulator and the CPU, asserts identical outputs; returns the launch
-/// stats, the indexer-key bytes the scored tokens must read at least, and how many rows a
-/// chunked selection took in chunks.
-fn run(c: &Case, seed: u64) -> (LaunchStats, u64, usize) {
+/// stats, the indexer-key bytes the scored tokens must read at least, how many rows a
+/// chunked selection took in chunks and how many pairs of tokens a block per two scored together.
+fn run(c: &Case, seed: u64) -> (LaunchStats, u64, usize, usize) {
     let mut rng = Rng::new(seed);
     let pps = c.table[0].len();
     let n_tok = c.tokens.len();
@@ -187,6 +188,7 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, u64, usize) {
     args.push(KernelArg::U64(g.addr(bcn)));
     let stats = launch(&module, IndexerTopkParams::ENTRY, [n_tok as u32, 1, 1], [THREADS, 1, 1], smem, &args, &mut g).unwrap();
     let got: Vec<i32> = g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let paired = pairs_match_single_tokens(c, &p, &module, &args, &g, bo, &got);
     // Decode's split: scores over a grid of 1, 3 or one block per tile per token (each block
     // looping over its tiles of 256 positions, or of 64 as the lowering's scoring blocks), then
     // the selection alone: the same lists, bit for bit.
@@ -275,7 +277,57 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, u64, usize) {
         stats.global_bytes_read(),
         stats.elapsed
     );
-    (stats, scored, chunked_rows)
+    (stats, scored, chunked_rows, paired)
+}
+
+/// Prefill's block per two tokens (`TT` = 2) over the case's tokens in pairs (an odd last token
+/// left out): the same lists as a block per token, bit for bit, and exactly the page-table and
+/// key reads of every position both tokens of a pair score saved (a pair: one sequence, both rows
+/// longer than top-k; any other pair reads what two blocks read). Returns the pairs that shared.
+fn pairs_match_single_tokens(c: &Case, p: &IndexerTopkParams, single: &Module, args: &[KernelArg], g: &GlobalMemory, bo: BufferId, got: &[i32]) -> usize {
+    let pairs = c.tokens.len() / 2;
+    if pairs == 0 {
+        return 0;
+    }
+    let rows = 2 * pairs * c.topk;
+    let read = |g: &GlobalMemory| g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect::<Vec<i32>>();
+    g.write(bo, 0, &vec![0u8; c.tokens.len() * c.topk * 4]);
+    let alone = launch(single, IndexerTopkParams::ENTRY, [2 * pairs as u32, 1, 1], [THREADS, 1, 1], p.dynamic_smem().unwrap(), args, g).unwrap();
+    let pp = IndexerTopkParams { tt: 2, ..*p };
+    let smem = pp.dynamic_smem().unwrap();
+    assert!(smem as usize + 1056 <= SMEM_LIMIT as usize || c.dim * c.heads > 1024, "{smem} B");
+    let m = Module::parse(&pp.render().unwrap(), "indexer_topk.ptx").unwrap();
+    g.write(bo, 0, &vec![0u8; c.tokens.len() * c.topk * 4]);
+    let both = launch(&m, IndexerTopkParams::ENTRY, [pairs as u32, 1, 1], [THREADS, 1, 1], smem, args, g).unwrap();
+    let out = read(g);
+    for t in 0..2 * pairs {
+        let r = t * c.topk..(t + 1) * c.topk;
+        assert_eq!(out[r.clone()], got[r], "token {t} (seq {}, position {}) of a block per two tokens, top-{}: differs from a block per token", c.tokens[t].0, c.tokens[t].1, c.topk);
+    }
+    assert_eq!(out[rows..], vec![0; out.len() - rows][..], "a block per two tokens wrote past its tokens");
+    // the reads a shared pass saves: per position of the shorter row, its page-table entry
+    // (inside the table) and its key (on an assigned page)
+    let pps = c.table[0].len();
+    let mut saved = 0u64;
+    let mut shared = 0;
+    for pair in c.tokens[..2 * pairs].chunks(2) {
+        let ((s0, p0), (s1, p1)) = (pair[0], pair[1]);
+        if s0 != s1 || s0 < 0 || (p0 as usize) < c.topk || (p1 as usize) < c.topk {
+            continue;
+        }
+        shared += 1;
+        for j in 0..=p0.min(p1) as usize {
+            if j / c.page < pps {
+                saved += 4;
+                if c.table[s0 as usize][j / c.page] >= 0 {
+                    saved += 2 * c.dim as u64;
+                }
+            }
+        }
+    }
+    assert_eq!(alone.global_bytes_read() - both.global_bytes_read(), saved, "bytes a block per two tokens saved ({} B read) against a block per token ({} B), {shared} shared pairs", both.global_bytes_read(), alone.global_bytes_read());
+    assert_eq!(alone.global_bytes_written(), both.global_bytes_written());
+    shared
 }
 
 /// Page table rows: sequence s owns pages in a shuffled order (disjoint across sequences).
@@ -331,7 +383,7 @@ fn tiny_topk_matches_the_cpu_on_a_ragged_batch() {
         zero_q: vec![16],
         near_ties: false,
     };
-    let (_, _, chunked) = run(&c, 1);
+    let (_, _, chunked, _) = run(&c, 1);
     assert!(chunked > 0, "no row was selected in chunks");
 }
 
@@ -443,8 +495,33 @@ fn glm5_topk_2048_selects_in_chunks() {
     let tokens = vec![(0, 12287), (0, 9000), (0, 6144), (0, 6143), (0, 2047)];
     let ties = vec![(100, vec![4095, 4096, 8200, 12000]), (200, vec![4097, 6143, 9000]), (300, vec![5000, 8191, 8192])];
     let c = Case { heads: 1, dim: 8, rope: 8, page, pages: pps, topk: 2048, table, tokens, q_bf16: true, w_bf16: false, ties, zero_q: vec![], near_ties: false };
-    let (_, _, chunked) = run(&c, 51);
+    let (_, _, chunked, _) = run(&c, 51);
     assert!(chunked >= 3, "{chunked} rows selected in chunks");
+}
+
+#[test]
+fn prefill_pairs_score_each_key_once_for_both() {
+    // A prefill chunk of one sequence from position 9 (pairs (9, 10) .. (15, 16) below or across
+    // top-16, then pairs of two scoring rows), with a page hole; then two sequences in one pair
+    // (both scoring: one after the other), a padding partner, a pair out of position order and
+    // long rows whose tiles run past the shorter one.
+    let page = 16;
+    let mut rng = Rng::new(19);
+    let mut table = shuffled_tables(&mut rng, 2, 64, 128);
+    table[0][5] = -1;
+    let mut tokens: Vec<(i32, i32)> = (9..49).map(|p| (0, p)).collect();
+    tokens.extend([(0, 500), (1, 600), (0, 700), (-1, 0), (0, 800), (0, 700), (0, 1000), (0, 1023)]);
+    let c = Case { heads: 8, dim: 32, rope: 16, page, pages: 128, topk: 16, table, tokens, q_bf16: true, w_bf16: false, ties: vec![(3, vec![17, 40, 300, 999])], zero_q: vec![20], near_ties: false };
+    let (_, _, _, shared) = run(&c, 80);
+    assert_eq!(shared, 16 + 2, "pairs scored together");
+    // top-40 (capacity 320): both tokens of a pair compact their candidates about every tile,
+    // at different times (one of them all ties: q = 0)
+    let (page, pps) = (64, 16);
+    let table = shuffled_tables(&mut rng, 1, pps, pps);
+    let tokens = vec![(0, 990), (0, 991), (0, 992), (0, 993), (0, 600), (0, 1000)];
+    let c = Case { heads: 2, dim: 16, rope: 8, page, pages: pps, topk: 40, table, tokens, q_bf16: false, w_bf16: true, ties: vec![(5, vec![11, 500, 990, 64])], zero_q: vec![2], near_ties: false };
+    let (_, _, _, shared) = run(&c, 81);
+    assert_eq!(shared, 3);
 }
 
 #[test]
@@ -455,7 +532,7 @@ fn decode_reads_each_key_about_once() {
     let mut rng = Rng::new(15);
     let table = shuffled_tables(&mut rng, 1, pps, pps);
     let c = Case { heads: 8, dim: 32, rope: 16, page, pages: pps, topk: 16, table, tokens: vec![(0, 999)], q_bf16: true, w_bf16: false, ties: vec![], zero_q: vec![], near_ties: false };
-    let (stats, keys, _) = run(&c, 60);
+    let (stats, keys, _, _) = run(&c, 60);
     let ratio = stats.global_bytes_read() as f64 / keys as f64;
     eprintln!("decode: {} B read / {keys} B of keys = {ratio:.3}", stats.global_bytes_read());
     assert!((1.0..=1.25).contains(&ratio), "byte ratio {ratio}");
@@ -486,7 +563,7 @@ fn tiny_and_glm5_instances_assemble_for_sm_120a() {
         IndexerTopkParams { mode: 2, threads: SELECT_THREADS, cap: capacity(p.p2 as usize, SELECT_THREADS).max(fast as usize / 2) as u32, fast, chunk, ..p }
     };
     assert!(select(glm5(true)).chunk > 0, "GLM-5's decode selects its longest contexts in chunks");
-    for (name, p) in [("tiny", params(8, 32, 16, 64, 16, 16, true, false)), ("tiny_f32", params(8, 32, 16, 64, 16, 16, false, true)), ("glm5_tp8", glm5(true)), ("glm5_tp8_f32q", glm5(false)), ("glm5_tp8_select", select(glm5(true))), ("glm5_tp8_select_sm90", IndexerTopkParams { arch: 90, ..select(glm5(true)) })] {
+    for (name, p) in [("tiny", params(8, 32, 16, 64, 16, 16, true, false)), ("tiny_f32", params(8, 32, 16, 64, 16, 16, false, true)), ("glm5_tp8", glm5(true)), ("glm5_tp8_f32q", glm5(false)), ("glm5_tp8_select", select(glm5(true))), ("glm5_tp8_select_sm90", IndexerTopkParams { arch: 90, ..select(glm5(true)) }), ("tiny_pairs", IndexerTopkParams { tt: 2, ..params(8, 32, 16, 64, 16, 16, true, false) }), ("glm5_tp8_pairs", IndexerTopkParams { tt: 2, ..glm5(true) }), ("glm5_tp8_pairs_sm90", IndexerTopkParams { arch: 90, tt: 2, ..glm5(true) })] {
         let (regs, spills, smem_static) = ptxas_resources(&ptxas, name, &p.render().unwrap());
         let dynamic = p.dynamic_smem().unwrap();
         eprintln!("indexer_topk {name}: {regs} registers, {spills} B spills, {smem_static} B static + {dynamic} B dynamic shared memory");

@@ -417,7 +417,7 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
     let plan = kiln_runtime::plan::read_plan(&dir.join("plan")).expect("plan");
     // (what, program, predicate on one of the step's launches, real tokens, first position)
     type Pick = (&'static str, &'static str, LaunchPick, usize, u32);
-    let picks: [Pick; 21] = [
+    let picks: [Pick; 22] = [
         ("a merged launch: the router's gate product with its selection as the tail, beside the shared expert's gate/up", "decode_1", |pl, l| plan_template(pl, l) == "merged" && pl.kernel(l.kernel).parts.iter().any(|q| pl.kernel(q.kernel).template == "router"), 1, 300),
         ("rmsnorm over column blocks (a group's input norm)", "decode_4", |pl, l| plan_template(pl, l) == "rmsnorm" && param(pl, l, "CB") > 1, 4, 300),
         ("the residual add and the norm an all-reduce launches after NCCL", "decode_64", |pl, l| plan_template(pl, l) == "add", 64, 300),
@@ -439,6 +439,7 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
         ("MoE on the tensor cores, down in 4-warp blocks of 32 columns", "prefill_128", |pl, l| plan_template(pl, l) == "moe_gate_up" && param(pl, l, "MMA") == 1, 2, 10),
         ("MoE on the CUDA cores at GLM-5 shapes", "decode_8", |pl, l| plan_template(pl, l) == "moe_gate_up" && param(pl, l, "MMA") == 0, 1, 10),
         ("indexer top-k scoring 3000 positions", "decode_1", |pl, l| plan_template(pl, l) == "indexer_topk", 1, 2999),
+        ("prefill indexer a block per two tokens: a pair scoring 3,000 and 3,001 positions together, a token beside padding alone", "prefill_512", |pl, l| plan_template(pl, l) == "indexer_topk" && param(pl, l, "TT") == 2, 3, 2999),
     ];
     // The indexer's selection in chunks (contexts past what one block selects), run alone on
     // scores of zero (all tied: the first 2,048 positions win), without the scoring launch

@@ -332,11 +332,15 @@ fn kernel_cost(plan: &Plan, l: &Launch, load: &Load) -> Result<Cost, String> {
 /// score written. MODE 2: the selection alone, reading those scores: one block per token, or
 /// with CHUNK, past FAST positions, a block per chunk of CHUNK positions (its scores read, its
 /// list of TOPK keys and positions written, its arrival counted) and then the token's last
-/// chunk reading every list's keys and the positions it takes (`Cost::serial`).
+/// chunk reading every list's keys and the positions it takes (`Cost::serial`). TT = 2 (MODE 0,
+/// lowered for prefill programs only, whose rows are one sequence's): a block per two rows; a
+/// pair of rows that both score reads the longer row's page-table entries and keys once and
+/// scores each for both, any other pair each row's.
 fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), String> {
     let (heads, dim, rope, topk, page) = (p.v("HEADS")?, p.v("DIM")?, p.v("ROPE")?, p.v("TOPK")?, p.v("PAGE")?);
     let mode = p.v("MODE")?;
-    let rows = l.grid[0] as f64;
+    let tt = p.v_or("TT", 1.0);
+    let rows = l.grid[0] as f64 * tt;
     let tiles = l.grid[1] as f64;
     let threads = l.block[0] as f64;
     // the token's token_seq and position: every thread loads them, in MODE 1 and 2 thread 0
@@ -372,6 +376,20 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
         c.blocks = staging.max(1.0);
     }
     let pages = load.tokens.sum(|n| if n > topk { (n / page).ceil() } else { 0.0 });
+    // positions whose key a block loads, and scores computed (a shared pair: the longer row's
+    // positions, scored twice)
+    let (keys, scored, pages) = if tt == 2.0 {
+        let scan = |n: f64| if n > topk { n } else { 0.0 };
+        load.tokens.positions.chunks(2).fold((0.0, 0.0, 0.0), |(k, s, g), pair| match *pair {
+            [Some(a), Some(b)] if scan(a as f64 + 1.0) > 0.0 && scan(b as f64 + 1.0) > 0.0 => {
+                let n = a.max(b) as f64 + 1.0;
+                (k + n, s + 2.0 * n, g + (n / page).ceil())
+            }
+            _ => pair.iter().flatten().map(|&a| scan(a as f64 + 1.0)).fold((k, s, g), |(k, s, g), n| (k + n, s + n, g + (n / page).ceil())),
+        })
+    } else {
+        (positions, positions, pages)
+    };
     // q: a thread per (even, odd) pair, each loaded once; the table's (cos, sin) once per rope
     // pair of every head, or, when THREADS is a multiple of DIM / 2 (every pair a thread takes
     // has the same dims), once per thread whose dims are rotated
@@ -383,9 +401,9 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
     }
     c.read(Class::Activations, staging * heads * p.size("W_BF16")?, 1.0);
     // per position: its page-table entry and its key
-    c.read(Class::Aux, pages * 4.0, if pages > 0.0 { positions / pages } else { 0.0 });
-    c.read(Class::Kv, positions * dim * 2.0, 1.0);
-    c.flops.fp32 += 2.0 * positions * heads * dim;
+    c.read(Class::Aux, pages * 4.0, if pages > 0.0 { keys / pages } else { 0.0 });
+    c.read(Class::Kv, keys * dim * 2.0, 1.0);
+    c.flops.fp32 += 2.0 * scored * heads * dim;
     Ok(())
 }
 

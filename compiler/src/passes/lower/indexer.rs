@@ -1,6 +1,8 @@
 //! The DSA indexer top-k: `Op::IndexerTopK` (scores over the cached indexer keys, exact top-k with ties to the lower position).
 //!
-//! Prefill: one block per token scores and selects (`indexer_topk.ptx` MODE 0). Decode, where
+//! Prefill: one block per token scores and selects (`indexer_topk.ptx` MODE 0), or per two
+//! tokens where that still fills the SMs ([`indexer_pairs`]): a chunk's neighbours past `index_topk`
+//! score the same keys, so the pair loads each once. Decode, where
 //! that leaves all but a few SMs idle (measured on an H200: 0.55 ms per layer at 8k context),
 //! scores in one launch of a block per (token, 64 positions) into the op's `scores` scratch
 //! (MODE 1) and selects in a second, one block per token (MODE 2: up to `fast_positions` a radix
@@ -12,7 +14,7 @@
 
 use super::{float_flag, fits, numel, of, of_grid, width, Cx, Instance, THREADS};
 use crate::kernels::{IndexerTopkArgs, IndexerTopkParams, Ptr};
-use kiln_runtime::plan::{DType, Op, SplitKLayout};
+use kiln_runtime::plan::{DType, Op, ProgramKind, SplitKLayout};
 
 /// Static shared memory of the template (radix histogram + 8 counters).
 const STATIC_SMEM: usize = 256 * 4 + 32;
@@ -60,6 +62,21 @@ pub fn select_chunk(positions: usize, topk: usize, fast: u32) -> u32 {
 /// them, so compactions stay rare); even, so the f32 arrays after the buffer stay 16-byte aligned.
 pub(crate) fn candidate_capacity(p2: usize, threads: u32) -> usize {
     (p2 + p2.max(threads as usize)).next_multiple_of(2)
+}
+
+/// The fused instance with a block per two tokens (`TT` = 2), where it takes them: a prefill
+/// program (its tokens one sequence's, in position order), an even number of tokens, half of
+/// them still a block for every SM (the scoring's FP32 work stays the same per block while the
+/// blocks halve, so fewer would idle SMs), and both tokens' regions in shared memory. Past
+/// `index_topk` the two tokens score the same keys (the second one more), so the pair reads each
+/// key once for both: half the key reads of a chunk at a long context. None where it does not
+/// apply.
+pub fn indexer_pairs(params: IndexerTopkParams, tokens: usize, prefill: bool, sms: u32, smem_limit: u32) -> Result<Option<IndexerTopkParams>, String> {
+    if !prefill || params.mode != 0 || tokens % 2 != 0 || tokens / 2 < sms as usize {
+        return Ok(None);
+    }
+    let pair = IndexerTopkParams { tt: 2, ..params };
+    Ok((pair.dynamic_smem()? as usize + STATIC_SMEM <= smem_limit as usize).then_some(pair))
 }
 
 pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
@@ -111,6 +128,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         mode: 0,
         fast: 0,
         chunk: 0,
+        tt: 1,
     };
     let inputs = &p.inputs;
     let args = IndexerTopkArgs {
@@ -129,6 +147,10 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     };
     // (the shape verifier has checked `scores`: empty, or a score per token and position)
     if p.buffer(scores).bytes == 0 {
+        let prefill = matches!(p.kind, ProgramKind::Prefill { .. });
+        if let Some(pair) = indexer_pairs(params, tokens, prefill, cx.consts.sms, cx.smem_limit)? {
+            return Ok(vec![of(&pair, (tokens / 2) as u32, args.launch_args())]);
+        }
         return Ok(vec![of(&params, tokens as u32, args.launch_args())]);
     }
     let positions = kv.pages_per_seq * kv.page_size;
@@ -160,7 +182,25 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::select_chunk;
+    use super::{indexer_pairs, select_chunk};
+    use crate::kernels::IndexerTopkParams;
+
+    #[test]
+    fn pairs_take_prefill_chunks_whose_pairs_fill_the_sms_and_fit() {
+        // GLM-5 tp8's fused instance (32 heads x 128, top-2048: 49,280 B a token) on sm_120a
+        let p = IndexerTopkParams { arch: 120, heads: 32, dim: 128, rope: 64, row: 704, koff: 576, page: 64, pps: 3168, topk: 2048, p2: 2048, cap: 4096, threads: 256, q_bf16: 1, w_bf16: 0, mode: 0, fast: 0, chunk: 0, tt: 1 };
+        let pair = |tokens, prefill, limit| indexer_pairs(p, tokens, prefill, 188, limit).unwrap().map(|q| q.tt);
+        assert_eq!(pair(512, true, 101_376), Some(2));
+        assert_eq!(pair(376, true, 101_376), Some(2));
+        // 187 pairs leave an SM idle; decode; an odd count; two regions past the limit
+        assert_eq!(pair(374, true, 101_376), None);
+        assert_eq!(pair(512, false, 101_376), None);
+        assert_eq!(pair(513, true, 101_376), None);
+        assert_eq!(pair(512, true, 99_615), None);
+        assert_eq!(pair(512, true, 99_616), Some(2));
+        // the split launches never pair
+        assert_eq!(indexer_pairs(IndexerTopkParams { mode: 1, ..p }, 512, true, 188, 101_376).unwrap(), None);
+    }
 
     #[test]
     fn the_chunk_is_the_one_that_moves_the_fewest_words_and_fits() {

@@ -21,7 +21,7 @@ mod router;
 pub use attention::{output_gemm, token_pairs};
 pub use collective::{P2P_GATHER_PAIRS, P2P_SPINS};
 pub use gemm::{bf16_gemm_form, bf16_group_form, nvfp4_gemm_form, Bf16Form, GROUP_MAX};
-pub use indexer::{fast_positions, select_chunk, SELECT_THREADS};
+pub use indexer::{fast_positions, indexer_pairs, select_chunk, SELECT_THREADS};
 pub use moe::{down_cols, down_threads, gate_up_cols, gate_up_threads, mid_fp4, mma_group};
 
 use crate::kernels::{AddArgs, AddParams, EmbedArgs, EmbedParams, GatherRowsArgs, GatherRowsParams, LinearBf16GemvArgs, LinearBf16GemvParams, LinearNvfp4GemvArgs, LinearNvfp4GemvParams, KernelParams, Ptr};
