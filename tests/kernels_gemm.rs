@@ -243,6 +243,32 @@ fn split_k_nvfp4_gemm_across_blocks_matches_the_cpu_and_replays_the_same_bits() 
 }
 
 #[test]
+fn short_prefill_chunks_take_the_split_form_and_64_row_tiles() {
+    // Chunks of up to 512 tokens: the NVFP4 split form over many row blocks (the shared expert's
+    // gate/up of a 128-token chunk: 32-row blocks, K over 3; a ragged 200 rows, the last block of
+    // 8; 300 rows of one part with K over 2), and the BF16 tiled form in 64-row tiles with K
+    // over 12 blocks of 16 stages (a 2,048-column projection of a 128-token chunk takes 6;
+    // 130 rows: a last row block of 2).
+    let c = |m, parts: Vec<usize>, k, silu, x_bf16, out_bf16, split_scales, form| Nvfp4Case { m, parts, k, silu, x_bf16, out_bf16, split_scales, form, scale_mul: 1.0 };
+    let cases = [
+        c(128, vec![16, 16], 6144, true, true, true, false, nv_split_k(2, 4, 3)),
+        c(200, vec![40, 40], 1040, true, true, true, true, nv_split_k(2, 2, 2)),
+        c(300, vec![24], 640, false, true, false, false, nv_split_k(2, 4, 2)),
+    ];
+    for (i, case) in cases.iter().enumerate() {
+        for arch in [120, 90] {
+            nvfp4_case(case, arch, 960 + i as u64);
+        }
+    }
+    bf16_case(130, 40, 6144, true, true, Form { ks: 12, ..tiled(2, 2, 3) }, 970);
+    bf16_case(128, 136, 6144, true, false, Form { ks: 12, ..tiled(2, 2, 3) }, 971);
+    // ... and the BF16 split form over many row blocks (q_a of a 128-token chunk: 32-row blocks
+    // of 32 weight rows, K over 6; 200 rows: a last row block of 8, F32 activations and out)
+    bf16_case(128, 72, 6144, true, true, split_k(2, 4, 6), 972);
+    bf16_case(200, 40, 2056, false, false, split_k(2, 2, 3), 973);
+}
+
+#[test]
 fn gemms_match_the_cpu_at_glm5_depth() {
     // GLM-5's K = 6144 (48 stages of 128), tp8 shared-expert gate/up sized rows, M over a tile;
     // and a BF16 kv_a-like projection (K = 6144 -> 576 rows cut to 136 here).

@@ -19,9 +19,10 @@ use kiln_runtime::plan::{DType, Epilogue, LinearWeights, Op, SplitKLayout};
 pub const GEMM_BM: usize = 64;
 /// Weight rows (output columns; half of them gate and half up with SiLU-mul) per block.
 pub const GEMM_BN: usize = 128;
-/// Largest M of the NVFP4 split-K form (blocks of 16 or 32 rows; larger M takes several row
-/// blocks, each quantising its own rows).
-const SPLIT_MAX_M: usize = 64;
+/// Largest M for which the NVFP4 split-K form (blocks of 16 or 32 rows; larger M takes several
+/// row blocks, each quantising its own rows) is costed beside the tiled one: decode, and prefill
+/// chunks up to 512 tokens, whose narrow parts leave most SMs idle in 64 x 128 tiles.
+const SPLIT_MAX_M: usize = 512;
 /// Largest M of the BF16 split-K form (4 m16 tiles per warp).
 const BF16_SPLIT_MAX_M: usize = 64;
 
@@ -95,6 +96,11 @@ const WIDE_MT: u32 = 8;
 /// into its 64 accumulators (the unrolled slice sum), not one that adds 6.
 const MAX_PREFILL_KS: u32 = 6;
 
+/// Most K slices of a 64-row tile past decode's 64 rows: ptxas 12.9 spills the sm_90a block
+/// that adds 24 slices into its 32 accumulators at 128 rows, not one that adds 12 (as decode's
+/// 2,048-column projection at batch 64 does).
+const MAX_SHORT_KS: u32 = 12;
+
 /// Warps of a split-form block (THREADS / 32): each takes every 8th K step.
 const WARPS: usize = THREADS as usize / 32;
 
@@ -129,7 +135,14 @@ pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Const
         // row blocks, not 16), with K in one block (their 128 accumulators a thread leave no
         // registers for a slice sum)
         let wide = (x_bf16 && m > 4 * GEMM_BM).then_some(Bf16Form { mt: WIDE_MT, ..tiled });
-        let best = cheapest(bf16_tiled_forms(tiled, m, n, k).filter(|f| f.ks <= MAX_PREFILL_KS).chain(wide), &cost).unwrap_or(tiled);
+        // and a narrow projection of a short chunk may take 64-row tiles with K over more blocks
+        // (decode's): q_a of a 128-token chunk is 2 tiles x 6 slices of 128 rows, 12 blocks, or
+        // 4 x 12 of 64 rows, 48
+        let short = (tiled.mt > 2).then(|| bf16_tiled_forms(Bf16Form { mt: 2, ..tiled }, m, n, k).filter(|f| f.ks <= MAX_SHORT_KS)).into_iter().flatten();
+        // or, up to 512 rows, the split form's 16- and 32-row blocks (a few weight rows each, K
+        // over the warps and blocks), which fill the SMs where the tiles cannot
+        let split = (m <= SPLIT_MAX_M).then(|| bf16_split_forms(m, n, k).filter(|f| f.mt <= 2)).into_iter().flatten();
+        let best = cheapest(bf16_tiled_forms(tiled, m, n, k).filter(|f| f.ks <= MAX_PREFILL_KS).chain(wide).chain(short).chain(split), &cost).unwrap_or(tiled);
         return (best, cost(&best));
     }
     let best = cheapest(bf16_split_forms(m, n, k).chain(bf16_tiled_forms(tiled, m, n, k)), &cost).unwrap_or(tiled);
@@ -218,6 +231,9 @@ pub fn nvfp4_gemm_form(m: usize, rows: usize, k: usize, silu: bool, x_bf16: bool
         let partials = if slices > 1 { 2.0 * (slices as usize * sums * 4) as f64 } else { 0.0 };
         candidate_us((rows * per_row) as f64 * gy, x as f64 * gx + partials, 0.0, gx * gy * slices as f64, consts)
     };
+    // past decode-sized M the split form still serves a narrow part of a short chunk (the
+    // shared expert's 256 gate/up pairs of a 128-token chunk: 8 tiled blocks), its weights read
+    // once per 32 rows; the model weighs that against the idle SMs
     if m > SPLIT_MAX_M {
         return (tiled, cost(&tiled));
     }
@@ -526,8 +542,29 @@ mod tests {
         assert_eq!(form(8, 256, 6144, true), (1, 1, 4, 12));
         // the shared expert's down (K = 256: 4 k64 steps, too few to share out)
         assert_eq!(form(64, 6144, 256, false), (1, 2, 4, 1));
-        // prefill stays tiled
-        assert_eq!(form(128, 256, 6144, true), (0, 1, 2, 1));
+        // a 128-token chunk: 8 tiled blocks (2 x 4 of 64 rows x 64 pairs) draw 8/188 of the
+        // bandwidth; 4 row blocks of 32 rows and 16 pairs with K over 3 (192 blocks) read the
+        // weights 4 times, x 16 times and 3 slices' partials, at full bandwidth
+        assert_eq!(form(128, 256, 6144, true), (1, 2, 4, 3));
+        // 512 tokens: 32 tiled blocks; 16 row blocks of 16 pairs (256 blocks), K in one
+        assert_eq!(form(512, 256, 6144, true), (1, 2, 4, 1));
+        // longer chunks stay tiled (their tiles fill the SMs), as does anything past 512 rows
+        assert_eq!(form(2048, 256, 6144, true), (0, 1, 2, 1));
+        assert_eq!(form(513, 256, 6144, true), (0, 1, 2, 1));
+    }
+
+    #[test]
+    fn short_chunks_narrow_projections_fill_the_sms() {
+        let form = |m, n, k| bf16_gemm_form(m, n, k, true, &Constants::SM120A).0;
+        // q_a's 256 columns of a 128-token chunk: 128-row tiles are 2 blocks, 12 with their most
+        // slices (6); 64-row tiles (4) with K over 12 blocks (the most sm_90a's ptxas takes
+        // without spills) make 48; split blocks of 32 rows and 32 weight rows with K over 6
+        // make 192 (4 x 8 x 6), for the weights 4 times and x 8 times (12.6 MB each)
+        assert_eq!(form(128, 256, 6144), Bf16Form { split: 1, mt: 2, nt: 4, ks: 6 });
+        // the 2,048-column projection of that chunk: 64-row tiles (32) with K over 6 make 192
+        assert_eq!(form(128, 2048, 2048), Bf16Form { split: 0, mt: 2, nt: 1, ks: 6 });
+        // o_proj of that chunk (48 column tiles) keeps 128 rows, K over 4 (192 blocks)
+        assert_eq!(form(128, 6144, 2048), Bf16Form { split: 0, mt: 4, nt: 1, ks: 4 });
     }
 
     #[test]
