@@ -19,9 +19,10 @@ use kiln_runtime::plan::{DType, Epilogue, LinearWeights, Op, SplitKLayout};
 pub const GEMM_BM: usize = 64;
 /// Weight rows (output columns; half of them gate and half up with SiLU-mul) per block.
 pub const GEMM_BN: usize = 128;
-/// Largest M for which the NVFP4 split-K form (blocks of 16 or 32 rows; larger M takes several
-/// row blocks, each quantising its own rows) is costed beside the tiled one: decode, and prefill
-/// chunks up to 512 tokens, whose narrow parts leave most SMs idle in 64 x 128 tiles.
+/// Largest M for which the split-K forms (NVFP4, and BF16 past decode's 64 rows; blocks of 16 or
+/// 32 rows, larger M taking several row blocks, each quantising or loading its own rows) are
+/// costed beside the tiled ones: decode, and prefill chunks up to 512 tokens, whose narrow
+/// projections leave most SMs idle in tiles.
 const SPLIT_MAX_M: usize = 512;
 /// Largest M of the BF16 split-K form (4 m16 tiles per warp).
 const BF16_SPLIT_MAX_M: usize = 64;
