@@ -96,6 +96,21 @@ struct Nvfp4Case {
     scale_mul: f32,
 }
 
+/// A case at the input scales' own size.
+#[allow(clippy::too_many_arguments)]
+fn nvfp4(m: usize, parts: Vec<usize>, k: usize, silu: bool, x_bf16: bool, out_bf16: bool, split_scales: bool, form: NvForm) -> Nvfp4Case {
+    Nvfp4Case { m, parts, k, silu, x_bf16, out_bf16, split_scales, form, scale_mul: 1.0 }
+}
+
+/// Every case on sm_120a and sm_90a, case i with seed `seed + i`.
+fn on_both_archs(cases: &[Nvfp4Case], seed: u64) {
+    for (i, case) in cases.iter().enumerate() {
+        for arch in [120, 90] {
+            nvfp4_case(case, arch, seed + i as u64);
+        }
+    }
+}
+
 /// The case's form within the shared memory of one block: sm_90a's stages are larger (f16
 /// activation planes), so a ring too deep for it loses buffers, then K steps per stage.
 fn fitted(arch: u32, c: &Nvfp4Case) -> NvForm {
@@ -193,16 +208,12 @@ fn nvfp4_gemm_matches_the_cpu_on_ragged_shapes() {
         // input scales 8x too small: saturated block scales (448) and codes (6)
         Nvfp4Case { m: 36, parts: vec![48, 48], k: 128, silu: true, x_bf16: false, out_bf16: true, split_scales: true, form: nv_tiled(2, 3), scale_mul: 0.125 },
     ];
-    for (i, c) in cases.iter().enumerate() {
-        for arch in [120, 90] {
-            nvfp4_case(c, arch, 500 + i as u64);
-        }
-    }
+    on_both_archs(&cases, 500);
 }
 
 #[test]
 fn split_k_nvfp4_gemm_matches_the_cpu_for_decode_sized_m() {
-    let c = |m, parts: Vec<usize>, k, silu, x_bf16, out_bf16, split_scales, form| Nvfp4Case { m, parts, k, silu, x_bf16, out_bf16, split_scales, form, scale_mul: 1.0 };
+    let c = nvfp4;
     let cases = [
         // M = 1, 3, 17: K with a 16-wide tail (K % 64 != 0), fewer k64 steps than warps
         c(3, vec![40, 40], 80, true, true, true, false, nv_split(1, 2)),
@@ -216,16 +227,12 @@ fn split_k_nvfp4_gemm_matches_the_cpu_for_decode_sized_m() {
         c(64, vec![72], 272, false, true, false, false, nv_split(1, 4)),
         c(50, vec![24, 40], 640, false, false, false, true, nv_split(1, 2)),
     ];
-    for (i, case) in cases.iter().enumerate() {
-        for arch in [120, 90] {
-            nvfp4_case(case, arch, 900 + i as u64);
-        }
-    }
+    on_both_archs(&cases, 900);
 }
 
 #[test]
 fn split_k_nvfp4_gemm_across_blocks_matches_the_cpu_and_replays_the_same_bits() {
-    let c = |m, parts: Vec<usize>, k, silu, x_bf16, out_bf16, split_scales, form| Nvfp4Case { m, parts, k, silu, x_bf16, out_bf16, split_scales, form, scale_mul: 1.0 };
+    let c = nvfp4;
     let cases = [
         // the shared expert's gate/up (K = 6144, 96 k64 steps) at batch 1 over 12 slices, and at
         // batch 64 over 3; a last slice shorter than the others (20 steps over 2: 10 + 10; 17
@@ -235,11 +242,7 @@ fn split_k_nvfp4_gemm_across_blocks_matches_the_cpu_and_replays_the_same_bits() 
         c(3, vec![40], 1280, false, true, false, false, nv_split_k(1, 4, 2)),
         c(17, vec![24, 40], 1040, false, false, false, true, nv_split_k(2, 2, 2)),
     ];
-    for (i, case) in cases.iter().enumerate() {
-        for arch in [120, 90] {
-            nvfp4_case(case, arch, 940 + i as u64);
-        }
-    }
+    on_both_archs(&cases, 940);
 }
 
 #[test]
@@ -249,17 +252,13 @@ fn short_prefill_chunks_take_the_split_form_and_64_row_tiles() {
     // 8; 300 rows of one part with K over 2), and the BF16 tiled form in 64-row tiles with K
     // over 12 blocks of 16 stages (a 2,048-column projection of a 128-token chunk takes 6;
     // 130 rows: a last row block of 2).
-    let c = |m, parts: Vec<usize>, k, silu, x_bf16, out_bf16, split_scales, form| Nvfp4Case { m, parts, k, silu, x_bf16, out_bf16, split_scales, form, scale_mul: 1.0 };
+    let c = nvfp4;
     let cases = [
         c(128, vec![16, 16], 6144, true, true, true, false, nv_split_k(2, 4, 3)),
         c(200, vec![40, 40], 1040, true, true, true, true, nv_split_k(2, 2, 2)),
         c(300, vec![24], 640, false, true, false, false, nv_split_k(2, 4, 2)),
     ];
-    for (i, case) in cases.iter().enumerate() {
-        for arch in [120, 90] {
-            nvfp4_case(case, arch, 960 + i as u64);
-        }
-    }
+    on_both_archs(&cases, 960);
     bf16_case(130, 40, 6144, true, true, Form { ks: 12, ..tiled(2, 2, 3) }, 970);
     bf16_case(128, 136, 6144, true, false, Form { ks: 12, ..tiled(2, 2, 3) }, 971);
     // ... and the BF16 split form over many row blocks (q_a of a 128-token chunk: 32-row blocks
