@@ -816,32 +816,49 @@ fn attention_absorbs_kv_b_once_per_step_in_prefill_as_in_decode() {
 fn prefill_indexer_takes_a_block_per_two_tokens_where_they_fill_the_sms() {
     use kiln_runtime::perf::Constants;
     use kiln_runtime::plan::{read_plan, Op, ProgramKind};
-    // the shipped GLM-5 plan: prefill chunks with at least a pair per SM (512 tokens and more on
-    // sm_120a's 188 SMs) score and select a block per two tokens (`TT` = 2: a pair past
-    // index_topk loads each key once), smaller chunks and decode a block per token
+    // the shipped GLM-5 plan: the 8,192-token chunk selects across the 8 ranks (each its rows of
+    // every 8th token, gathered right after: by the model the scoring saved outweighs the gather
+    // even from position 0; smaller chunks save nothing there); prefill launches with at least a
+    // pair of rows per SM (512 rows and more on sm_120a's 188 SMs) score and select a block per
+    // two rows (`TT` = 2: a pair past index_topk loads each key once), smaller ones and decode a
+    // block per token
     let art = Path::new(env!("CARGO_MANIFEST_DIR")).join("artifacts/GLM-5-NVFP4-sm120a-tp8");
     let plan = read_plan(&art).unwrap();
     let (consts, _) = Constants::for_target(&plan.target).unwrap();
-    let mut paired = Vec::new();
+    let ranks = plan.ranks();
+    let (mut paired, mut across) = (Vec::new(), Vec::new());
     for p in &plan.programs {
-        for step in &p.steps {
-            let Some(&Op::IndexerTopK { head_weights, .. }) = step.op.leaves().iter().find(|op| matches!(op, Op::IndexerTopK { .. })) else { continue };
+        for (i, step) in p.steps.iter().enumerate() {
+            let Some(&Op::IndexerTopK { head_weights, across_ranks, out, .. }) = step.op.leaves().iter().find(|op| matches!(op, Op::IndexerTopK { .. })) else { continue };
             let tokens = p.buffer(head_weights).shape[0];
+            let rows = if across_ranks { tokens / ranks } else { tokens };
+            if across_ranks {
+                assert!(matches!(&p.steps[i + 1].op, Op::AllGather { pairs } if pairs.len() == 1 && pairs[0].input == out), "{}: no gather of the lists after step {i}", p.name);
+                assert_eq!(p.buffer(out).shape, [rows, plan.model.index_topk], "{}", p.name);
+                across.push(p.name.clone());
+            }
             for l in step.launches.iter().flat_map(|l| plan.part_launches(l)) {
                 let k = plan.kernel(l.kernel);
                 if k.template != "indexer_topk" {
                     continue;
                 }
                 let param = |name: &str| k.params.iter().find(|(n, _)| n == name).map(|(_, v)| *v).unwrap();
-                let pairs = matches!(p.kind, ProgramKind::Prefill { .. }) && tokens / 2 >= consts.sms as usize;
+                assert_eq!(param("STRIDE"), if across_ranks { ranks as u64 } else { 1 }, "{}: {}", p.name, k.name);
+                let pairs = matches!(p.kind, ProgramKind::Prefill { .. }) && rows / 2 >= consts.sms as usize;
                 assert_eq!(param("TT"), if pairs { 2 } else { 1 }, "{}: {}", p.name, k.name);
                 if pairs {
-                    assert_eq!((param("MODE"), l.grid), (0, [tokens as u32 / 2, 1, 1]), "{}", p.name);
+                    assert_eq!((param("MODE"), l.grid), (0, [rows as u32 / 2, 1, 1]), "{}", p.name);
                     paired.push(p.name.clone());
                 }
             }
         }
     }
     paired.dedup();
+    across.dedup();
     assert_eq!(paired, ["prefill_512", "prefill_2048", "prefill_8192"]);
+    assert_eq!(across, ["prefill_8192"]);
+    // `kiln inspect` shows the decision with the model's numbers
+    let c = plan.sharding.iter().find(|c| c.what == "the DSA indexer's top-k in prefill chunks").expect("the indexer's prefill choice");
+    assert_eq!(c.how, "chunks of 8192 tokens: rank r selects for tokens r, r + 8, ..., the lists all-gathered after (one collective a layer); chunks of 32, 128, 512, 2048: every rank selects for every token", "{c:?}");
+    assert!(c.why.contains("2048: 0 µs saved") && c.why.contains("8192: "), "{c:?}");
 }

@@ -173,6 +173,41 @@ fn split_projections_give_the_replicated_bits() {
     }
 }
 
+/// The sequence-parallel indexer (`--sequence-parallel-indexer always`: rank r selects the
+/// lists of tokens r, r + R, ..., all-gathered after) computes each list as the replicated plan
+/// does, so every logit has the replicated plan's bits, at F32 and with the GPU's BF16 buffers,
+/// prefill (where it applies) and decode after it, at TP 2 and 8. The plans are checked to take
+/// it: every prefill indexer step across ranks, a gather of its lists right after.
+#[test]
+fn the_sequence_parallel_indexer_gives_the_replicated_bits() {
+    use kiln_runtime::plan::{read_plan, Op, ProgramKind};
+    let ids = prompt(40, 5);
+    let gpu_like = CpuOptions { precision: Precision::Bf16, act_quant: ActQuant::W4A4, attention: None };
+    for tp in ["2", "8"] {
+        let whole = plan(&format!("tp{tp}-sp-never"), &["--tp", tp, "--sequence-parallel-indexer", "never"]);
+        let split = plan(&format!("tp{tp}-sp-always"), &["--tp", tp, "--sequence-parallel-indexer", "always"]);
+        let p = read_plan(&split).unwrap();
+        assert!(p.model.index_topk < 40, "the prompt's later tokens score");
+        for program in p.programs.iter().filter(|p| matches!(p.kind, ProgramKind::Prefill { .. })) {
+            let steps = &program.steps;
+            let across: Vec<usize> = (0..steps.len()).filter(|&i| matches!(steps[i].op, Op::IndexerTopK { across_ranks: true, .. })).collect();
+            assert_eq!(across.len(), p.model.num_hidden_layers, "TP {tp} {}: every layer's indexer across ranks", program.name);
+            for i in across {
+                let Op::IndexerTopK { out, .. } = steps[i].op else { unreachable!() };
+                assert!(matches!(&steps[i + 1].op, Op::AllGather { pairs } if pairs.len() == 1 && pairs[0].input == out), "TP {tp} {}: no gather of the lists after step {i}", program.name);
+            }
+        }
+        for opts in [F32, gpu_like] {
+            for decode in [false, true] {
+                let want = session(&whole, opts).logits(&ids, decode).unwrap();
+                let got = session(&split, opts).logits(&ids, decode).unwrap();
+                let off = got.iter().zip(&want).filter(|(g, w)| g.to_bits() != w.to_bits()).count();
+                assert_eq!(off, 0, "TP {tp}, {:?}, decode {decode}: {off} logits differ from the replicated indexer's", opts.precision);
+            }
+        }
+    }
+}
+
 #[test]
 fn chunked_prefill_equals_one_prefill() {
     // --prefill-chunk 16: a single 16-token bucket, so 40 tokens take three chunks (16, 16, 8).

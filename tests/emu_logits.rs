@@ -36,8 +36,10 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 fn compile(ckpt: &Path, target: &str, tp: usize, chunk: usize, out: &Path) {
+    // at TP 2 the prefill's indexer selects across the ranks (the golden prompt's chunks score)
+    let sequence_parallel = if tp > 1 { "always" } else { "never" };
     let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["compile", ckpt.to_str().unwrap(), "--target", target, "--tp", &tp.to_string(), "--no-ptxas"])
+        .args(["compile", ckpt.to_str().unwrap(), "--target", target, "--tp", &tp.to_string(), "--no-ptxas", "--sequence-parallel-indexer", sequence_parallel])
         .args(["--prefill-chunk", &chunk.to_string(), "--decode-batches", "1,2", "--max-context", "64", "-o", out.to_str().unwrap()])
         .output()
         .expect("run kiln");
@@ -205,7 +207,7 @@ fn merged_launches_compute_the_unmerged_plans_logits_bit_for_bit() {
     let (merged, apart) = (dir.join("merged"), dir.join("apart"));
     compile(&ckpt, "sm_120a", 2, 32, &merged);
     let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["compile", ckpt.to_str().unwrap(), "--target", "sm_120a", "--tp", "2", "--no-ptxas", "--no-merge"])
+        .args(["compile", ckpt.to_str().unwrap(), "--target", "sm_120a", "--tp", "2", "--no-ptxas", "--no-merge", "--sequence-parallel-indexer", "always"])
         .args(["--prefill-chunk", "32", "--decode-batches", "1,2", "--max-context", "64", "-o", apart.to_str().unwrap()])
         .output()
         .expect("run kiln");

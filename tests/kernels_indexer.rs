@@ -51,6 +51,7 @@ fn params(heads: usize, dim: usize, rope: usize, page: usize, pps: usize, topk: 
         fast: 0,
         chunk: 0,
         tt: 1,
+        stride: 1,
     }
 }
 
@@ -186,9 +187,12 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, u64, usize, usize) {
     args.push(KernelArg::F32((c.heads as f32).powf(-0.5)));
     args.push(KernelArg::F32((c.dim as f32).powf(-0.5)));
     args.push(KernelArg::U64(g.addr(bcn)));
+    // first_token: ignored where STRIDE is 1
+    args.push(KernelArg::U32(0));
     let stats = launch(&module, IndexerTopkParams::ENTRY, [n_tok as u32, 1, 1], [THREADS, 1, 1], smem, &args, &mut g).unwrap();
     let got: Vec<i32> = g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
     let paired = pairs_match_single_tokens(c, &p, &module, &args, &g, bo, &got);
+    strided_rows_match_single_tokens(c, &p, &args, &g, bo, &got);
     // Decode's split: scores over a grid of 1, 3 or one block per tile per token (each block
     // looping over its tiles of 256 positions, or of 64 as the lowering's scoring blocks), then
     // the selection alone: the same lists, bit for bit.
@@ -329,6 +333,37 @@ fn pairs_match_single_tokens(c: &Case, p: &IndexerTopkParams, single: &Module, a
     assert_eq!(alone.global_bytes_read() - both.global_bytes_read(), saved, "bytes a block per two tokens saved ({} B read) against a block per token ({} B), {shared} shared pairs", both.global_bytes_read(), alone.global_bytes_read());
     assert_eq!(alone.global_bytes_written(), both.global_bytes_written());
     shared
+}
+
+/// A sequence-parallel indexer (`STRIDE` = R ranks, MODE 0): rank r's launch over the rows of
+/// tokens r, r + R, ... (a block per token, and per two where the rows are even): row j is
+/// token jR + r's list of a block per token over all of them, bit for bit, and nothing is written
+/// past the rank's rows. R = 2 and 3 where they divide the case's tokens.
+fn strided_rows_match_single_tokens(c: &Case, p: &IndexerTopkParams, args: &[KernelArg], g: &GlobalMemory, bo: BufferId, got: &[i32]) {
+    let n_tok = c.tokens.len();
+    let read = |g: &GlobalMemory| g.read(bo).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect::<Vec<i32>>();
+    for ranks in [2, 3].into_iter().filter(|&r| n_tok % r == 0 && n_tok >= 2 * r) {
+        let rows = n_tok / ranks;
+        let strided = IndexerTopkParams { stride: ranks as u32, ..*p };
+        assert!(IndexerTopkParams { mode: 1, ..strided }.render().is_err() && IndexerTopkParams { mode: 2, ..strided }.render().is_err(), "STRIDE > 1 renders only with MODE 0");
+        let tts: &[u32] = if rows % 2 == 0 { &[1, 2] } else { &[1] };
+        for &tt in tts {
+            let sp = IndexerTopkParams { tt, ..strided };
+            let m = Module::parse(&sp.render().unwrap(), "indexer_topk.ptx").unwrap();
+            for rank in 0..ranks {
+                let mut a = args.to_vec();
+                *a.last_mut().unwrap() = KernelArg::U32(rank as u32);
+                g.write(bo, 0, &vec![0u8; n_tok * c.topk * 4]);
+                launch(&m, IndexerTopkParams::ENTRY, [(rows / tt as usize) as u32, 1, 1], [THREADS, 1, 1], sp.dynamic_smem().unwrap(), &a, g).unwrap();
+                let out = read(g);
+                for j in 0..rows {
+                    let t = j * ranks + rank;
+                    assert_eq!(out[j * c.topk..(j + 1) * c.topk], got[t * c.topk..(t + 1) * c.topk], "rank {rank} of {ranks} (TT {tt}), row {j} = token {t} (seq {}, position {}), top-{}: differs from a block per token", c.tokens[t].0, c.tokens[t].1, c.topk);
+                }
+                assert_eq!(out[rows * c.topk..], vec![0; (n_tok - rows) * c.topk][..], "rank {rank} of {ranks} (TT {tt}) wrote past its rows");
+            }
+        }
+    }
 }
 
 /// Page table rows: sequence s owns pages in a shuffled order (disjoint across sequences).
@@ -565,7 +600,7 @@ fn tiny_and_glm5_instances_assemble_for_sm_120a() {
         IndexerTopkParams { mode: 2, threads: SELECT_THREADS, cap: capacity(p.p2 as usize, SELECT_THREADS).max(fast as usize / 2) as u32, fast, chunk, ..p }
     };
     assert!(select(glm5(true)).chunk > 0, "GLM-5's decode selects its longest contexts in chunks");
-    for (name, p) in [("tiny", params(8, 32, 16, 64, 16, 16, true, false)), ("tiny_f32", params(8, 32, 16, 64, 16, 16, false, true)), ("glm5_tp8", glm5(true)), ("glm5_tp8_f32q", glm5(false)), ("glm5_tp8_select", select(glm5(true))), ("glm5_tp8_select_sm90", IndexerTopkParams { arch: 90, ..select(glm5(true)) }), ("tiny_pairs", IndexerTopkParams { tt: 2, ..params(8, 32, 16, 64, 16, 16, true, false) }), ("glm5_tp8_pairs", IndexerTopkParams { tt: 2, ..glm5(true) }), ("glm5_tp8_pairs_sm90", IndexerTopkParams { arch: 90, tt: 2, ..glm5(true) })] {
+    for (name, p) in [("tiny", params(8, 32, 16, 64, 16, 16, true, false)), ("tiny_f32", params(8, 32, 16, 64, 16, 16, false, true)), ("glm5_tp8", glm5(true)), ("glm5_tp8_f32q", glm5(false)), ("glm5_tp8_select", select(glm5(true))), ("glm5_tp8_select_sm90", IndexerTopkParams { arch: 90, ..select(glm5(true)) }), ("tiny_pairs", IndexerTopkParams { tt: 2, ..params(8, 32, 16, 64, 16, 16, true, false) }), ("glm5_tp8_pairs", IndexerTopkParams { tt: 2, ..glm5(true) }), ("glm5_tp8_pairs_sm90", IndexerTopkParams { arch: 90, tt: 2, ..glm5(true) }), ("glm5_tp8_sequence_parallel", IndexerTopkParams { tt: 2, stride: 8, ..glm5(true) }), ("glm5_tp8_sequence_parallel_sm90", IndexerTopkParams { arch: 90, tt: 2, stride: 8, ..glm5(true) })] {
         let (regs, spills, smem_static) = ptxas_resources(&ptxas, name, &p.render().unwrap());
         let dynamic = p.dynamic_smem().unwrap();
         eprintln!("indexer_topk {name}: {regs} registers, {spills} B spills, {smem_static} B static + {dynamic} B dynamic shared memory");
@@ -631,7 +666,8 @@ fn planned_launches_match_the_cpu(long: bool) {
             continue;
         }
         let step = program.steps.iter().find(|s| matches!(s.op, Op::IndexerTopK { .. })).expect("an indexer step");
-        let Op::IndexerTopK { q, head_weights, layer, topk, scores, out } = step.op else { unreachable!() };
+        let Op::IndexerTopK { q, head_weights, layer, topk, across_ranks, scores, out } = step.op else { unreachable!() };
+        assert!(!across_ranks, "a plan of one rank selects for every token");
         let select = step.launches.last().unwrap();
         let select_threads = if decode { SELECT_THREADS } else { THREADS };
         let chunk = plan.kernel(select.kernel).param("CHUNK").unwrap_or(0) as usize;
@@ -706,6 +742,8 @@ fn planned_launches_match_the_cpu(long: bool) {
                     LaunchArg::RopeTable => KernelArg::U64(g.addr(br)),
                     LaunchArg::SplitKRegion => KernelArg::U64(g.addr(bcn)),
                     LaunchArg::F32(v) => KernelArg::F32(v),
+                    // (a plan of one rank: rank 0's)
+                    LaunchArg::PerRank(_) => KernelArg::U32(0),
                     ref other => panic!("unexpected argument {other:?} of {}", k.name),
                 })
                 .collect();

@@ -266,9 +266,11 @@ fn verify_tiny_tp1_on_the_emulator() {
     verify_tiny("sm_120a", "1", &[]);
 }
 
+/// At TP 2 the prefill programs select their indexer lists across the ranks (each rank's rows
+/// against the CPU's, then the gathered lists).
 #[test]
 fn verify_tiny_tp2_on_the_emulator() {
-    verify_tiny("sm_120a", "2", &[]);
+    verify_tiny("sm_120a", "2", &["--sequence-parallel-indexer", "always"]);
 }
 
 /// The sm_90a kernels (e2m1 without cvt, decoded f16 mma) step by step against the CPU. Fewer
@@ -282,7 +284,7 @@ fn verify_tiny_sm90a_tp1_on_the_emulator() {
 
 #[test]
 fn verify_tiny_sm90a_tp2_on_the_emulator() {
-    verify_tiny("sm_90a", "2", &["--prefill-chunk", "256", "--decode-batches", "1,4"]);
+    verify_tiny("sm_90a", "2", &["--prefill-chunk", "256", "--decode-batches", "1,4", "--sequence-parallel-indexer", "always"]);
 }
 
 /// A broken kernel is caught: verify fails and names the step (and the first NaN/Inf).

@@ -2,7 +2,8 @@
 //! bytes the model says each launch loads and stores are what the emulator counts when it runs
 //! the launch, class by class (weights, activations, KV cache, inputs + RoPE table, stores), on
 //! the `micro` model compiled for sm_120a at TP 2: prefill chunks (tiled GEMMs; a full chunk from
-//! position 0 and a padded one after a prefix) and decode buckets (GEMVs, split-K GEMMs; a full
+//! position 0 and a padded one after a prefix; the indexer selecting across the two ranks, each
+//! rank's rows its own tokens) and decode buckets (GEMVs, split-K GEMMs; a full
 //! bucket and one with a padding row), every launch of every replayed program on both ranks, on
 //! the state the CPU backend had before the step (real routing, top-k lists and page tables).
 //! The load the model is given is read off the same state (positions, routing, ids).
@@ -140,7 +141,7 @@ fn load_of(plan: &Plan, p: &Program, r: &Record) -> Load {
         _ => 0.0,
     };
     let _ = plan;
-    Load { tokens, experts, embed_rows, logit_rows }
+    Load { tokens, experts, embed_rows, logit_rows, rank: r.rank }
 }
 
 /// Runs the step's launches in order in one emulated memory and returns each launch's bytes by
@@ -203,7 +204,8 @@ fn micro_plan(dir: &Path) -> (PathBuf, PathBuf) {
     let art = dir.join("art");
     kiln(&["synth", "micro", "-o", s(&ckpt)]);
     kiln(&[
-        "compile", s(&ckpt), "--target", "sm_120a", "--tp", "2", "--no-ptxas", "--prefill-chunk", "128", "--decode-batches", "1,4", "--max-context", "512", "-o", s(&art),
+        "compile", s(&ckpt), "--target", "sm_120a", "--tp", "2", "--no-ptxas", "--prefill-chunk", "128", "--decode-batches", "1,4", "--max-context", "512",
+        "--sequence-parallel-indexer", "always", "-o", s(&art),
     ]);
     (ckpt, art)
 }
@@ -398,7 +400,8 @@ fn emulate_crafted(plan: &Plan, p: &Program, s: usize, active: usize, first: u32
         }));
     }
     let tokens = Tokens { positions: pos.iter().zip(&seq).map(|(&p, &s)| (s >= 0).then_some(p as u32)).collect() };
-    (out, Load { tokens, experts, embed_rows: 0.0, logit_rows: 0.0 })
+    // (rank 0: every per-rank argument is passed as 0)
+    (out, Load { tokens, experts, embed_rows: 0.0, logit_rows: 0.0, rank: 0 })
 }
 
 /// Picks a launch (or a merged launch's part) of a plan.
@@ -417,7 +420,7 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
     let plan = kiln_runtime::plan::read_plan(&dir.join("plan")).expect("plan");
     // (what, program, predicate on one of the step's launches, real tokens, first position)
     type Pick = (&'static str, &'static str, LaunchPick, usize, u32);
-    let picks: [Pick; 22] = [
+    let picks: [Pick; 24] = [
         ("a merged launch: the router's gate product with its selection as the tail, beside the shared expert's gate/up", "decode_1", |pl, l| plan_template(pl, l) == "merged" && pl.kernel(l.kernel).parts.iter().any(|q| pl.kernel(q.kernel).template == "router"), 1, 300),
         ("rmsnorm over column blocks (a group's input norm)", "decode_4", |pl, l| plan_template(pl, l) == "rmsnorm" && param(pl, l, "CB") > 1, 4, 300),
         ("the residual add and the norm an all-reduce launches after NCCL", "decode_64", |pl, l| plan_template(pl, l) == "add", 64, 300),
@@ -440,6 +443,8 @@ fn glm5_forms_the_micro_model_lacks_count_as_the_emulator_does() {
         ("MoE on the CUDA cores at GLM-5 shapes", "decode_8", |pl, l| plan_template(pl, l) == "moe_gate_up" && param(pl, l, "MMA") == 0, 1, 10),
         ("indexer top-k scoring 3000 positions", "decode_1", |pl, l| plan_template(pl, l) == "indexer_topk", 1, 2999),
         ("prefill indexer a block per two tokens: a pair scoring 3,000 and 3,001 positions together, a token beside padding alone", "prefill_512", |pl, l| plan_template(pl, l) == "indexer_topk" && param(pl, l, "TT") == 2, 3, 2999),
+        ("prefill indexer a block per token, 3 of 128 tokens scoring", "prefill_128", |pl, l| plan_template(pl, l) == "indexer_topk" && param(pl, l, "TT") == 1, 3, 2999),
+        ("the sequence-parallel prefill indexer: rank 0's rows of 8,192 tokens, a pair of tokens 8 apart scoring together, a token beside padding alone", "prefill_8192", |pl, l| plan_template(pl, l) == "indexer_topk" && param(pl, l, "STRIDE") == 8 && param(pl, l, "TT") == 2, 17, 2999),
     ];
     // The indexer's selection in chunks (contexts past what one block selects), run alone on
     // scores of zero (all tied: the first 2,048 positions win), without the scoring launch

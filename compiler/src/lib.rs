@@ -20,7 +20,8 @@ pub use error::CompileError;
 
 use checkpoint::Checkpoint;
 use kiln_runtime::plan::{MoeParallel, Parallelism, Plan, FORMAT_VERSION};
-use passes::{assemble, lower, memory, merge, shard, specialize, verify};
+use passes::{assemble, lower, memory, merge, sequence_parallel, shard, specialize, verify};
+pub use passes::sequence_parallel::SequenceParallel;
 pub use passes::shard::SplitProjections;
 
 /// The most sequences one decode program may batch (and the KV plan reserve for).
@@ -35,6 +36,8 @@ pub struct CompileOptions {
     pub moe: MoeParallel,
     /// Which replicated projections are split by output rows behind an all-gather.
     pub split_projections: SplitProjections,
+    /// Which prefill programs select their indexer lists across ranks (`passes/sequence_parallel.rs`).
+    pub sequence_parallel: SequenceParallel,
     /// Per-GPU memory to plan for (default: the target's).
     pub gpu_memory: Option<u64>,
     pub headroom: Option<u64>,
@@ -57,6 +60,7 @@ impl Default for CompileOptions {
             tp: 1,
             moe: MoeParallel::Tp,
             split_projections: SplitProjections::Auto,
+            sequence_parallel: SequenceParallel::Auto,
             gpu_memory: None,
             headroom: None,
             prefill_chunk: 8192,
@@ -135,16 +139,18 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
     let pages_per_seq = max_context.div_ceil(memory::KV_PAGE_SIZE);
     let probe = specialize::Bucket { kind: kiln_runtime::plan::ProgramKind::Decode { batch: 1 }, tokens: 1, seqs: 1, logit_rows: 1, pages_per_seq };
     let mut slots = sharded.slots;
-    verify::program("shard", &specialize::specialize(&sharded.graph, &probe), &slots, &cfg)?;
+    verify::program("shard", &specialize::specialize(&sharded.graph, &probe), &slots, &cfg, opts.tp)?;
 
     let chunk = opts.prefill_chunk.min(max_context);
     let mut batches = opts.decode_batches.clone();
     batches.sort_unstable();
     batches.dedup();
-    let buckets = specialize::buckets(&prefill_buckets(chunk), &batches, cfg.vocab_size, pages_per_seq);
+    let chunks = prefill_buckets(chunk);
+    let buckets = specialize::buckets(&chunks, &batches, cfg.vocab_size, pages_per_seq);
     let mut programs: Vec<_> = buckets.iter().map(|b| specialize::specialize(&sharded.graph, b)).collect();
-    for p in &programs {
-        verify::program("specialize", p, &slots, &cfg)?;
+    for p in &mut programs {
+        sequence_parallel::indexer_across_ranks(p, opts.tp, opts.sequence_parallel, &cfg, &consts);
+        verify::program("specialize", p, &slots, &cfg, opts.tp)?;
     }
 
     let weights = memory::plan_weights(&mut slots);
@@ -154,6 +160,7 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
     let mem = memory::plan_memory(&cfg, &target, headroom, weights, workspace, &kv)?;
     verify::memory(&slots, &programs, &mem)?;
 
+    let indexer_choice = sequence_parallel::choice(&chunks, opts.tp, opts.sequence_parallel, &cfg, &consts);
     let fingerprint = fingerprint(&sharded.graph.tensors);
     let mut plan = Plan {
         format_version: FORMAT_VERSION,
@@ -166,7 +173,7 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
         weights: slots,
         memory: mem,
         programs,
-        sharding: sharded.choices,
+        sharding: sharded.choices.into_iter().chain(indexer_choice).collect(),
         ignored: sharded.graph.ignored,
         kernels: Vec::new(),
     };

@@ -216,10 +216,12 @@ fn all_reduce(devices: &mut [Device], p: &Program, buf: BufId) {
 
 /// Concatenates each rank's `input` columns in rank order into `out` on every rank.
 fn all_gather(devices: &mut [Device], p: &Program, input: BufId, out: BufId) -> Result<(), String> {
+    // `out` holds [rows, ranks x w] whatever its shape (see Op::AllGather); I32 lists move as
+    // the f32 words of their bits
     let w = p.buffer(input).shape.last().copied().unwrap_or(1);
-    let wo = p.buffer(out).shape.last().copied().unwrap_or(1);
-    let rows = p.buffer(out).shape.iter().product::<usize>() / wo.max(1);
-    if w * devices.len() != wo {
+    let rows = p.buffer(input).shape.iter().product::<usize>() / w.max(1);
+    let wo = w * devices.len();
+    if p.buffer(out).shape.iter().product::<usize>() != rows * wo {
         return Err("all-gather shapes do not match the rank count".into());
     }
     let mut acc = vec![0f32; rows * wo];

@@ -1,6 +1,6 @@
 use anyhow::Context;
 use kiln_compiler::targets::parse_bytes;
-use kiln_compiler::{compile, CompileOptions, SplitProjections};
+use kiln_compiler::{compile, CompileOptions, SequenceParallel, SplitProjections};
 use kiln_runtime::plan::MoeParallel;
 use kiln_runtime::bind::CheckpointFiles;
 use kiln_runtime::weight_check::{hash_tensors, tensor_progress};
@@ -32,6 +32,13 @@ pub struct Args {
     /// each decision and its numbers), all, or none (all replicated). Same bits either way.
     #[arg(long, default_value = "auto", value_parser = ["auto", "all", "none"])]
     split_projections: String,
+    /// Prefill chunks whose DSA indexer selects across GPUs: GPU r takes tokens r, r + tp, ...
+    /// and one all-gather of the lists per layer gives every GPU all of them: auto (chunks
+    /// where, by the performance model, the scoring a GPU no longer does outweighs the gather
+    /// even from position 0: 8,192 tokens for GLM-5 at --tp 8), always (every chunk that divides
+    /// by --tp), or never. Same selections either way.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "always", "never"])]
+    sequence_parallel_indexer: String,
     /// Memory per GPU to plan for, e.g. 96GB or 40GiB (default: the target's).
     #[arg(long)]
     gpu_memory: Option<String>,
@@ -80,6 +87,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "all" => SplitProjections::All,
             "none" => SplitProjections::None,
             _ => SplitProjections::Auto,
+        },
+        sequence_parallel: match a.sequence_parallel_indexer.as_str() {
+            "always" => SequenceParallel::Always,
+            "never" => SequenceParallel::Never,
+            _ => SequenceParallel::Auto,
         },
         gpu_memory: a.gpu_memory.map(|s| parse_bytes("--gpu-memory", &s)).transpose()?,
         headroom: a.headroom.map(|s| parse_bytes("--headroom", &s)).transpose()?,

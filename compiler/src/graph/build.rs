@@ -183,7 +183,7 @@ impl<'a> Builder<'a> {
         // decode scores every cached position in a separate launch (see Op::IndexerTopK)
         let page = Dim::Fixed(crate::passes::memory::KV_PAGE_SIZE);
         let scores = self.value(format!("l{l}.index_scores"), DType::F32, vec![Dim::ScoreRows, Dim::PagesPerSeq, page]);
-        self.push(Op::IndexerTopK { q: iq, head_weights: iw, layer: l, topk: c.index_topk, scores, out: topk }, KernelFamily::IndexerTopK);
+        self.push(Op::IndexerTopK { q: iq, head_weights: iw, layer: l, topk: c.index_topk, across_ranks: false, scores, out: topk }, KernelFamily::IndexerTopK);
 
         let kvb = format!("{p}.kv_b_proj");
         if self.bind.ckpt.quant.is_nvfp4(&kvb) {

@@ -4,6 +4,7 @@ pub mod assemble;
 pub mod lower;
 pub mod memory;
 pub mod merge;
+pub mod sequence_parallel;
 pub mod shard;
 pub mod specialize;
 pub mod verify;

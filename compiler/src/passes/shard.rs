@@ -367,7 +367,7 @@ fn choices(cfg: &ModelConfig, par: &Parallelism, graph: &Graph, slots: &[WeightS
         ),
         c(
             "RMSNorm weights, the indexer's k_norm; the DSA indexer's top-k",
-            format!("replicated ({} per rank in all); the top-k computed whole on every rank", human_bytes(norms)),
+            format!("replicated ({} per rank in all); the top-k over all its heads on every rank{}", human_bytes(norms), if tp > 1 { " (which tokens in prefill: below)" } else { "" }),
             "the norms are vectors; top-k needs the score summed over all indexer heads, so split heads would need an all-reduce of the [tokens x context] score matrix every layer (the projections feeding them are listed below)".into(),
         ),
         c(

@@ -8,7 +8,8 @@ fn fail(pass: &'static str, message: String) -> CompileError {
 }
 
 /// Shapes agree across every step; every buffer is written before it is read; ids are in range.
-pub fn program(pass: &'static str, p: &Program, slots: &[WeightSlot], cfg: &ModelConfig) -> Result<(), CompileError> {
+/// `ranks`: the plan's tensor-parallel ranks (what a gather concatenates).
+pub fn program(pass: &'static str, p: &Program, slots: &[WeightSlot], cfg: &ModelConfig, ranks: usize) -> Result<(), CompileError> {
     let mut written = vec![false; p.buffers.len()];
     let i = p.inputs;
     for b in [i.ids, i.positions, i.token_seq, i.slots, i.page_table, i.logit_rows] {
@@ -31,7 +32,7 @@ pub fn program(pass: &'static str, p: &Program, slots: &[WeightSlot], cfg: &Mode
                 return Err(at(format!("reads `{}` before anything writes it", p.buffer(b).name)));
             }
         }
-        check_shapes(p, &step.op, slots, cfg).map_err(at)?;
+        check_shapes(p, &step.op, slots, cfg, ranks).map_err(at)?;
         for b in step.op.writes() {
             written[b.0 as usize] = true;
         }
@@ -42,7 +43,7 @@ pub fn program(pass: &'static str, p: &Program, slots: &[WeightSlot], cfg: &Mode
     Ok(())
 }
 
-fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -> Result<(), String> {
+fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig, ranks: usize) -> Result<(), String> {
     let shape = |b: BufId| p.buffer(b).shape.as_slice();
     let last = |b: BufId| *p.buffer(b).shape.last().unwrap_or(&0);
     let rows = |b: BufId| p.buffer(b).shape[0];
@@ -72,7 +73,7 @@ fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -
     match op {
         Op::Concurrent { ops } => {
             for o in ops {
-                check_shapes(p, o, slots, cfg)?;
+                check_shapes(p, o, slots, cfg, ranks)?;
             }
         }
         Op::LinearGroup { members, .. } => {
@@ -80,7 +81,7 @@ fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -
                 return Err("a linear group without members".into());
             }
             for m in op.group_norm().into_iter().chain(op.group_members().unwrap_or_default()) {
-                check_shapes(p, &m, slots, cfg)?;
+                check_shapes(p, &m, slots, cfg, ranks)?;
             }
         }
         Op::Linear { input, weights, parts, k, epilogue, out } => {
@@ -142,9 +143,13 @@ fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -
             expect("out", shape(*out), shape(*a))?;
         }
         Op::AllGather { pairs } => {
+            // `out` holds [rows, ranks x columns]: the input's rows with every rank's columns
+            // (split projections, logits), or R rows to one (a sequence-parallel indexer's lists)
+            let numel = |b: BufId| shape(b).iter().product::<usize>();
             for g in pairs {
-                if rows(g.input) != rows(g.out) || last(g.out) % last(g.input).max(1) != 0 {
-                    return Err(format!("gathers {:?} into {:?}", shape(g.input), shape(g.out)));
+                let whole_rows = last(g.out) % last(g.input).max(1) == 0 && (rows(g.input) == rows(g.out) || last(g.input) == last(g.out));
+                if numel(g.out) != numel(g.input) * ranks || !whole_rows || p.buffer(g.input).dtype != p.buffer(g.out).dtype {
+                    return Err(format!("gathers {:?} into {:?} over {ranks} ranks", shape(g.input), shape(g.out)));
                 }
             }
         }
@@ -152,10 +157,14 @@ fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -
             expect("kv", shape(*kv), &[rows(*kv), cfg.kv_lora_rank + cfg.qk_rope_head_dim])?;
             expect("k", shape(*k), &[rows(*k), cfg.index_head_dim])?;
         }
-        Op::IndexerTopK { q, head_weights, out, topk, scores, .. } => {
+        Op::IndexerTopK { q, head_weights, out, topk, across_ranks, scores, .. } => {
             expect("q", shape(*q), &[rows(*q), cfg.index_n_heads * cfg.index_head_dim])?;
             expect("head weights", shape(*head_weights), &[rows(*q), cfg.index_n_heads])?;
-            expect("out", shape(*out), &[rows(*q), *topk])?;
+            // across ranks: this rank's rows, every ranks-th token
+            if *across_ranks && rows(*q) % ranks != 0 {
+                return Err(format!("{} tokens do not split over {ranks} ranks", rows(*q)));
+            }
+            expect("out", shape(*out), &[if *across_ranks { rows(*q) / ranks } else { rows(*q) }, *topk])?;
             // decode's scratch: a score per token and position a sequence's pages hold; prefill's is empty
             let pages = shape(p.inputs.page_table)[1];
             let score_rows = if rows(*scores) == 0 { 0 } else { rows(*q) };
@@ -172,7 +181,7 @@ fn check_shapes(p: &Program, op: &Op, slots: &[WeightSlot], cfg: &ModelConfig) -
                 expect("residual", shape(*r), shape(*buf))?;
             }
             if let Some(n) = op.residual_norm() {
-                check_shapes(p, &n, slots, cfg)?;
+                check_shapes(p, &n, slots, cfg, ranks)?;
             }
         }
     }

@@ -26,12 +26,15 @@ pub(crate) fn key_write(k: &[f32], norm: &[f32], bias: &[f32], eps: f32, tokens:
 /// `sum_h (w[h] / sqrt(H)) * relu(q_h . k_j) / sqrt(D)` (q_h with RoPE on its first rope-dim
 /// values) and write the `min(topk, pos + 1)` best positions (ties: lower position first) in
 /// ascending order, padded with -1. When every position fits, all are selected without scoring.
+/// Row j of `out` is token `j * stride + first`'s (a sequence-parallel indexer's rank `first` of
+/// `stride`; 0 of 1 selects for every token).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn top_k(q: &[f32], w: &[f32], heads: usize, tokens: &Tokens, cache: &KvCache, layer: usize, rope: &Rope, topk: usize, out: &mut [i32]) {
+pub(crate) fn top_k(q: &[f32], w: &[f32], heads: usize, tokens: &Tokens, cache: &KvCache, layer: usize, rope: &Rope, topk: usize, (first, stride): (usize, usize), out: &mut [i32]) {
     let d = cache.index_dim;
     let head_scale = (heads as f32).powf(-0.5);
     let dim_scale = (d as f32).powf(-0.5);
-    let task = |(t, row): (usize, &mut [i32])| {
+    let task = |(j, row): (usize, &mut [i32])| {
+        let t = j * stride + first;
         row.fill(-1);
         let Some(pages) = tokens.pages(t) else { return };
         let n = tokens.positions[t] as usize + 1;
@@ -119,19 +122,19 @@ mod tests {
         let slots = [-1];
         let tokens = Tokens { positions: &positions, token_seq: &token_seq, slots: &slots, page_table: &page_table, pages_per_seq: 2 };
         let mut out = [0i32; 3];
-        top_k(&[0.0, 0.0, 1.0, 0.0], &[1.0], 1, &tokens, &cache, 0, &rope, 3, &mut out);
+        top_k(&[0.0, 0.0, 1.0, 0.0], &[1.0], 1, &tokens, &cache, 0, &rope, 3, (0, 1), &mut out);
         // scores: [0.5, 0, 2, 0.5, 2, 0.1] -> 2 (pos 2), 2 (pos 4), then 0.5 (pos 0 before pos 3),
         // listed in position order.
         assert_eq!(out, [0, 2, 4]);
         // Short sequences select everything, in order.
         let positions = [1];
         let tokens = Tokens { positions: &positions, ..tokens };
-        top_k(&[0.0, 0.0, 1.0, 0.0], &[1.0], 1, &tokens, &cache, 0, &rope, 3, &mut out);
+        top_k(&[0.0, 0.0, 1.0, 0.0], &[1.0], 1, &tokens, &cache, 0, &rope, 3, (0, 1), &mut out);
         assert_eq!(out, [0, 1, -1]);
         // Padding tokens select nothing.
         let token_seq = [-1];
         let tokens = Tokens { token_seq: &token_seq, ..tokens };
-        top_k(&[0.0, 0.0, 1.0, 0.0], &[1.0], 1, &tokens, &cache, 0, &rope, 3, &mut out);
+        top_k(&[0.0, 0.0, 1.0, 0.0], &[1.0], 1, &tokens, &cache, 0, &rope, 3, (0, 1), &mut out);
         assert_eq!(out, [-1, -1, -1]);
     }
 }

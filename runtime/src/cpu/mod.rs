@@ -549,10 +549,26 @@ fn all_reduce(ranks: &mut [Rank], staging: &mut Vec<f32>, cx: &Cx, buf: BufId, r
 }
 
 fn all_gather(ranks: &mut [Rank], staging: &mut Vec<f32>, cx: &Cx, input: BufId, out: BufId) -> Result<(), RuntimeError> {
-    let (w, wo) = (width(cx.program, input), width(cx.program, out));
-    let rows = numel(cx.program, out) / wo.max(1);
-    if w * ranks.len() != wo || numel(cx.program, input) != rows * w {
+    // `out` holds [rows, ranks x w] whatever its shape (see Op::AllGather)
+    let w = width(cx.program, input);
+    let rows = numel(cx.program, input) / w.max(1);
+    let wo = w * ranks.len();
+    if numel(cx.program, out) != rows * wo {
         return Err(RuntimeError::internal("all-gather shapes do not match the rank count"));
+    }
+    if cx.program.buffer(out).dtype == DType::I32 {
+        // (lists of positions: copied as they are)
+        let mut acc = vec![0i32; rows * wo];
+        for (r, rank) in ranks.iter().enumerate() {
+            let src = &rank.i[input.0 as usize];
+            for row in 0..rows {
+                acc[row * wo + r * w..row * wo + (r + 1) * w].copy_from_slice(&src[row * w..(row + 1) * w]);
+            }
+        }
+        for rank in ranks.iter_mut() {
+            rank.i[out.0 as usize][..rows * wo].copy_from_slice(&acc);
+        }
+        return Ok(());
     }
     let round = Round::for_dtype(cx.program.buffer(out).dtype, cx.opts.precision);
     let acc = scratch::grow(staging, rows * wo);
@@ -692,11 +708,12 @@ impl Rank {
                 let (w, b) = (&self.small[k_norm.0 as usize], &self.small[k_bias.0 as usize]);
                 indexer::key_write(&self.f[k.0 as usize][..n(k)], w, b, k_eps, &tk, &mut self.kv, layer, cx.rope);
             }
-            Op::IndexerTopK { q, head_weights, layer, topk, out, .. } => {
+            Op::IndexerTopK { q, head_weights, layer, topk, across_ranks, out, .. } => {
                 let mut o = std::mem::take(&mut self.i[out.0 as usize]);
                 let heads = width(p, head_weights);
                 let tk = tokens_in(&self.i, cx);
-                indexer::top_k(&self.f[q.0 as usize][..n(q)], &self.f[head_weights.0 as usize][..n(head_weights)], heads, &tk, &self.kv, layer, cx.rope, topk, &mut o[..n(out)]);
+                let rows = if across_ranks { (self.index, plan.ranks()) } else { (0, 1) };
+                indexer::top_k(&self.f[q.0 as usize][..n(q)], &self.f[head_weights.0 as usize][..n(head_weights)], heads, &tk, &self.kv, layer, cx.rope, topk, rows, &mut o[..n(out)]);
                 self.i[out.0 as usize] = o;
             }
             Op::MlaAttention { q, kv_b, topk, layer, heads, scale, form, out, .. } => {

@@ -127,7 +127,7 @@ pub fn indexer_key_write(k: &[f32], norm: &[f32], bias: &[f32], eps: f32, t: &To
 /// `out` `[tokens, topk]`.
 #[allow(clippy::too_many_arguments)]
 pub fn indexer_topk(q: &[f32], w: &[f32], heads: usize, t: &TokenInputs, cache: &Cache, layer: usize, rope: &Rope, topk: usize, out: &mut [i32]) {
-    super::indexer::top_k(q, w, heads, &t.tokens(), &cache.kv, layer, rope, topk, out);
+    super::indexer::top_k(q, w, heads, &t.tokens(), &cache.kv, layer, rope, topk, (0, 1), out);
 }
 
 /// The attention geometry of `Op::MlaAttention` on one rank (kv_b: BF16 `[heads * (nope + v),

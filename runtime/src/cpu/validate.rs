@@ -142,7 +142,7 @@ fn check_op(plan: &Plan, p: &Program, op: &Op) -> Result<(), String> {
             vector(k_norm, kv.index_dim)?;
             vector(k_bias, kv.index_dim)
         }
-        Op::IndexerTopK { q, head_weights, layer: l, topk, scores, out } => {
+        Op::IndexerTopK { q, head_weights, layer: l, topk, across_ranks, scores, out } => {
             layer(l)?;
             let heads = width(p, head_weights);
             float(head_weights, t * heads)?;
@@ -151,7 +151,12 @@ fn check_op(plan: &Plan, p: &Program, op: &Op) -> Result<(), String> {
             if p.buffer(scores).bytes != 0 {
                 float(scores, t * kv.pages_per_seq * kv.page_size)?;
             }
-            int(out, t * topk)
+            // across ranks: a row for every rank-th token (whole rows on every rank)
+            let ranks = plan.ranks();
+            if across_ranks && t % ranks != 0 {
+                return Err(format!("{t} tokens do not split over {ranks} ranks"));
+            }
+            int(out, if across_ranks { t / ranks } else { t } * topk)
         }
         Op::MlaAttention { q, kv_b, topk, layer: l, heads, absorbed, partials, out, .. } => {
             layer(l)?;
@@ -230,12 +235,21 @@ fn check_op(plan: &Plan, p: &Program, op: &Op) -> Result<(), String> {
                 return Err("gathers nothing".into());
             }
             for &GatherPair { input, out } in pairs {
-                let (w, wo) = (width(p, input), width(p, out));
-                if w * plan.ranks() != wo || numel(p, input) / w.max(1) != numel(p, out) / wo.max(1) {
-                    return Err(format!("gathers {w} columns from {} ranks into {wo}", plan.ranks()));
+                // `out` holds [rows, ranks x w] whatever its shape
+                let (w, n) = (width(p, input), numel(p, input));
+                if w == 0 || numel(p, out) != n * plan.ranks() || width(p, out) % w != 0 {
+                    return Err(format!("gathers {n} values ({w} columns) from {} ranks into {:?}", plan.ranks(), p.buffer(out).shape));
                 }
-                float(input, numel(p, input))?;
-                float(out, numel(p, out))?;
+                if p.buffer(input).dtype != p.buffer(out).dtype {
+                    return Err("gathers into a buffer of another dtype".into());
+                }
+                if p.buffer(out).dtype == DType::I32 {
+                    int(input, n)?;
+                    int(out, n * plan.ranks())?;
+                } else {
+                    float(input, n)?;
+                    float(out, n * plan.ranks())?;
+                }
             }
             Ok(())
         }

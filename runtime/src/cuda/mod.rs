@@ -269,8 +269,12 @@ impl CudaBackend {
             let how = if backend.report.p2p { "the P2P kernel" } else { "NCCL" };
             let kib = crate::plan::P2P_MAX_BYTES >> 10;
             eprintln!("kiln cuda: all-reduces up to {} KiB (two-shot above {kib} KiB) and all-gathers up to {kib} KiB per GPU: {how} ({})", ranks as u64 * kib, backend.report.p2p_reason);
-            // the gathers of projections split for the P2P path (all but the logits')
-            let split_gathers = |p: &crate::plan::Program| p.steps.iter().filter(|s| matches!(&s.op, Op::AllGather { pairs } if pairs.iter().all(|g| g.out != p.logits))).count();
+            // the gathers of projections split for the P2P path (all but the logits' and a
+            // sequence-parallel indexer's lists, which save more than NCCL costs)
+            let split_gathers = |p: &crate::plan::Program| {
+                let lists: Vec<_> = p.steps.iter().filter_map(|s| if let Op::IndexerTopK { across_ranks: true, out, .. } = s.op { Some(out) } else { None }).collect();
+                p.steps.iter().filter(|s| matches!(&s.op, Op::AllGather { pairs } if pairs.iter().all(|g| g.out != p.logits && !lists.contains(&g.input)))).count()
+            };
             let gathers = backend.plan.programs.iter().map(split_gathers).max().unwrap_or(0);
             if !backend.report.p2p && gathers > 0 {
                 eprintln!(

@@ -68,6 +68,7 @@ fn nccl_type(d: DType) -> Result<nccl_sys::ncclDataType_t, RuntimeError> {
     match d {
         DType::F32 => Ok(nccl_sys::ncclDataType_t::ncclFloat32),
         DType::BF16 => Ok(nccl_sys::ncclDataType_t::ncclBfloat16),
+        DType::I32 => Ok(nccl_sys::ncclDataType_t::ncclInt32),
         other => Err(RuntimeError::internal(format!("a collective over a {other} buffer"))),
     }
 }

@@ -6,7 +6,7 @@
 //! block per head group re-reads the selected latent rows). `tests/perf.rs` holds these counts
 //! against the emulator's, launch by launch and class by class.
 
-use super::load::Load;
+use super::load::{Load, Tokens};
 use crate::plan::{Arch, KernelInfo, Launch, Plan, Step};
 use serde::Serialize;
 
@@ -335,33 +335,44 @@ fn kernel_cost(plan: &Plan, l: &Launch, load: &Load) -> Result<Cost, String> {
 /// chunk reading every list's keys and the positions it takes (`Cost::serial`). TT = 2 (MODE 0,
 /// lowered for prefill programs only, whose rows are one sequence's): a block per two rows; a
 /// pair of rows that both score reads the longer row's page-table entries and keys once and
-/// scores each for both, any other pair each row's.
+/// scores each for both, any other pair each row's. STRIDE > 1: the rank's rows are tokens
+/// rank, rank + STRIDE, ... of the program's.
 fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(), String> {
     let (heads, dim, rope, topk, page) = (p.v("HEADS")?, p.v("DIM")?, p.v("ROPE")?, p.v("TOPK")?, p.v("PAGE")?);
     let mode = p.v("MODE")?;
     let tt = p.v_or("TT", 1.0);
+    // STRIDE > 1 (a sequence-parallel indexer): this rank's rows, every STRIDE-th token from
+    // its rank
+    let stride = p.v_or("STRIDE", 1.0) as usize;
+    let own;
+    let tokens = if stride > 1 {
+        own = Tokens { positions: load.tokens.positions.iter().skip(load.rank % stride).step_by(stride).copied().collect() };
+        &own
+    } else {
+        &load.tokens
+    };
     let rows = l.grid[0] as f64 * tt;
     let tiles = l.grid[1] as f64;
     let threads = l.block[0] as f64;
     // the token's token_seq and position: every thread loads them, in MODE 1 and 2 thread 0
     // per block
     c.read(Class::Aux, 8.0 * rows, if mode == 0.0 { threads } else { tiles });
-    let positions = load.tokens.sum(|n| if n > topk { n } else { 0.0 });
+    let positions = tokens.sum(|n| if n > topk { n } else { 0.0 });
     if mode == 2.0 {
         c.write(rows * topk * 4.0);
         c.read(Class::Activations, positions * 4.0, 1.0);
         let (fast, chunk) = (p.v_or("FAST", 0.0), p.v_or("CHUNK", 0.0));
         let chunks = |n: f64| if chunk > 0.0 && n > fast { (n / chunk).ceil() } else { 0.0 };
-        let lists = load.tokens.sum(chunks);
+        let lists = tokens.sum(chunks);
         // a list per chunk, its arrival (an atomic: 4 B read and written); the last chunk's
         // reads of every list's keys and of the TOPK positions it takes
         c.write(lists * (2.0 * topk * 4.0 + 4.0));
         c.read(Class::Activations, lists * 4.0, 1.0);
         let tail = |n: f64| if chunks(n) > 0.0 { (chunks(n) + 1.0) * topk * 4.0 } else { 0.0 };
-        c.read(Class::Activations, load.tokens.sum(tail), 1.0);
+        c.read(Class::Activations, tokens.sum(tail), 1.0);
         // ... and its output (counted with every row's above)
-        c.serial = load.tokens.max(|n| if chunks(n) > 0.0 { tail(n) + topk * 4.0 } else { 0.0 });
-        c.blocks = rows + load.tokens.sum(|n| (chunks(n) - 1.0).max(0.0));
+        c.serial = tokens.max(|n| if chunks(n) > 0.0 { tail(n) + topk * 4.0 } else { 0.0 });
+        c.blocks = rows + tokens.sum(|n| (chunks(n) - 1.0).max(0.0));
         return Ok(());
     }
     if mode == 0.0 {
@@ -370,17 +381,17 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
         c.write(positions * 4.0);
     }
     // blocks that stage q and the head weights
-    let staging = load.tokens.sum(|n| if n <= topk { 0.0 } else if mode == 1.0 { (n / threads).ceil().min(tiles) } else { 1.0 });
+    let staging = tokens.sum(|n| if n <= topk { 0.0 } else if mode == 1.0 { (n / threads).ceil().min(tiles) } else { 1.0 });
     if mode == 1.0 {
         // blocks without a tile exit at once
         c.blocks = staging.max(1.0);
     }
-    let pages = load.tokens.sum(|n| if n > topk { (n / page).ceil() } else { 0.0 });
+    let pages = tokens.sum(|n| if n > topk { (n / page).ceil() } else { 0.0 });
     // positions whose key a block loads, and scores computed (a shared pair: the longer row's
     // positions, scored twice)
     let (keys, scored, pages) = if tt == 2.0 {
         let scan = |n: f64| if n > topk { n } else { 0.0 };
-        load.tokens.positions.chunks(2).fold((0.0, 0.0, 0.0), |(k, s, g), pair| match *pair {
+        tokens.positions.chunks(2).fold((0.0, 0.0, 0.0), |(k, s, g), pair| match *pair {
             [Some(a), Some(b)] if scan(a as f64 + 1.0) > 0.0 && scan(b as f64 + 1.0) > 0.0 => {
                 let n = a.max(b) as f64 + 1.0;
                 (k + n, s + 2.0 * n, g + (n / page).ceil())

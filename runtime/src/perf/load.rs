@@ -101,6 +101,9 @@ pub struct Load {
     pub embed_rows: f64,
     /// Rows of `logit_rows` that name a token (the rows `gather_rows` copies).
     pub logit_rows: f64,
+    /// The rank predicted (which tokens its share of a sequence-parallel indexer takes); the
+    /// predictions take the last, whose tokens are the latest (it scores the most positions).
+    pub rank: usize,
 }
 
 impl Load {
@@ -109,14 +112,14 @@ impl Load {
     pub fn decode(rows: usize, batch: usize, context: usize, experts: impl Fn(usize) -> Experts, ranks: usize) -> Load {
         let pos = context.saturating_sub(1) as u32;
         let positions = (0..rows).map(|r| (r < batch).then_some(pos)).collect();
-        Load { tokens: Tokens { positions }, experts: experts(batch), embed_rows: rows as f64 / ranks.max(1) as f64, logit_rows: batch as f64 }
+        Load { tokens: Tokens { positions }, experts: experts(batch), embed_rows: rows as f64 / ranks.max(1) as f64, logit_rows: batch as f64, rank: ranks.saturating_sub(1) }
     }
 
     /// A prefill chunk of `chunk` real tokens at positions `prefix ..` (one sequence), returning
     /// the logits of its last token.
     pub fn prefill(rows: usize, chunk: usize, prefix: usize, experts: impl Fn(usize) -> Experts, ranks: usize) -> Load {
         let positions = (0..rows).map(|r| (r < chunk).then_some((prefix + r) as u32)).collect();
-        Load { tokens: Tokens { positions }, experts: experts(chunk), embed_rows: rows as f64 / ranks.max(1) as f64, logit_rows: 1.0 }
+        Load { tokens: Tokens { positions }, experts: experts(chunk), embed_rows: rows as f64 / ranks.max(1) as f64, logit_rows: 1.0, rank: ranks.saturating_sub(1) }
     }
 }
 

@@ -46,7 +46,10 @@ pub enum Op {
     /// applied to its first rope-dim values.
     /// `scores` `[tokens, positions]` F32 is kernel scratch: decode programs score in one launch
     /// over many blocks and select in a second; it is empty in prefill programs (one launch).
-    IndexerTopK { q: BufId, head_weights: BufId, layer: usize, topk: usize, scores: BufId, out: BufId },
+    /// `across_ranks` (long prefill chunks of a plan of R ranks): rank r selects only for tokens
+    /// r, r + R, r + 2R, ..., `out` `[tokens / R, topk]` holding token jR + r's list in row j; an
+    /// [`Op::AllGather`] of `out` after it gives every rank the lists in token order.
+    IndexerTopK { q: BufId, head_weights: BufId, layer: usize, topk: usize, across_ranks: bool, scores: BufId, out: BufId },
     /// MLA attention for this rank's heads over the cached latents selected by `topk`
     /// (all causal positions when `topk` is None). `q` rows are `[heads, nope | rope]` (pre-RoPE),
     /// `kv_b` the rank's `[heads * (nope + v), kv_lora_rank]` slice; output `[heads * v]`.
@@ -104,7 +107,9 @@ pub enum Op {
     /// `norm` as well (decode: the rmsnorm that followed), then `norm.out = rmsnorm(residual)`.
     AllReduce { buf: BufId, residual: Option<BufId>, norm: Option<ResidualNorm> },
     /// For each pair, concatenate each rank's `input` columns in rank order into `out` on every
-    /// rank (row by row); several pairs share one collective.
+    /// rank (row by row); several pairs share one collective. `out` holds `[rows, ranks x
+    /// columns]` in memory, whatever its shape says (a sequence-parallel indexer's lists gather
+    /// into `[tokens, topk]`: row j of the gather is the lists of tokens jR .. jR + R - 1).
     AllGather { pairs: Vec<GatherPair> },
     /// Ops of adjacent steps that do not depend on each other, in their program order, made one
     /// step by lowering where it merged the last launch of one with the first of the next into

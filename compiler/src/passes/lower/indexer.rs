@@ -2,7 +2,9 @@
 //!
 //! Prefill: one block per token scores and selects (`indexer_topk.ptx` MODE 0), or per two
 //! tokens where that still fills the SMs ([`indexer_pairs`]): a chunk's neighbours past `index_topk`
-//! score the same keys, so the pair loads each once. Decode, where
+//! score the same keys, so the pair loads each once. A sequence-parallel indexer
+//! (`IndexerTopK { across_ranks }`, `passes/sequence_parallel.rs`) launches over the rank's
+//! rows only (`STRIDE` = ranks, the rank's first token a per-rank argument). Decode, where
 //! that leaves all but a few SMs idle (measured on an H200: 0.55 ms per layer at 8k context),
 //! scores in one launch of a block per (token, 64 positions) into the op's `scores` scratch
 //! (MODE 1) and selects in a second, one block per token (MODE 2: up to `fast_positions` a radix
@@ -80,15 +82,21 @@ pub fn indexer_pairs(params: IndexerTopkParams, tokens: usize, prefill: bool, sm
 }
 
 pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
-    let Op::IndexerTopK { q, head_weights, layer, topk, scores, out } = *op else {
+    let Op::IndexerTopK { q, head_weights, layer, topk, across_ranks, scores, out } = *op else {
         return Err("not an indexer top-k".into());
     };
     let (p, kv) = (cx.program, &cx.plan.memory.kv);
     let heads = width(p, head_weights);
-    let tokens = numel(p, head_weights) / heads.max(1);
+    let all_tokens = numel(p, head_weights) / heads.max(1);
+    // across ranks: this rank's rows, every ranks-th token (only prefill's fused launch takes them)
+    let stride = if across_ranks { cx.plan.ranks() } else { 1 };
+    let tokens = all_tokens / stride;
     let dim = kv.index_dim;
-    if tokens == 0 || heads == 0 || topk == 0 || width(p, q) != heads * dim || numel(p, out) != tokens * topk {
-        return Err(format!("an indexer top-k over {tokens} tokens x {heads} heads x {dim} (top-{topk}) is outside the template"));
+    if tokens == 0 || heads == 0 || topk == 0 || width(p, q) != heads * dim || numel(p, out) != tokens * topk || all_tokens % stride != 0 {
+        return Err(format!("an indexer top-k over {all_tokens} tokens x {heads} heads x {dim} (top-{topk}, {tokens} rows) is outside the template"));
+    }
+    if across_ranks && p.buffer(scores).bytes != 0 {
+        return Err("a sequence-parallel indexer with decode's score scratch".into());
     }
     if kv.dtype != DType::BF16 || p.buffer(out).dtype != DType::I32 {
         return Err("the indexer top-k template needs a BF16 KV cache and I32 output".into());
@@ -129,6 +137,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         fast: 0,
         chunk: 0,
         tt: 1,
+        stride: stride as u32,
     };
     let inputs = &p.inputs;
     let args = IndexerTopkArgs {
@@ -144,6 +153,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         head_scale: (heads as f32).powf(-0.5),
         dim_scale: (dim as f32).powf(-0.5),
         splitk: Ptr::Buffer(out),
+        first_token: u32::from(across_ranks),
     };
     // (the shape verifier has checked `scores`: empty, or a score per token and position)
     if p.buffer(scores).bytes == 0 {
@@ -188,7 +198,7 @@ mod tests {
     #[test]
     fn pairs_take_prefill_chunks_whose_pairs_fill_the_sms_and_fit() {
         // GLM-5 tp8's fused instance (32 heads x 128, top-2048: 49,280 B a token) on sm_120a
-        let p = IndexerTopkParams { arch: 120, heads: 32, dim: 128, rope: 64, row: 704, koff: 576, page: 64, pps: 3168, topk: 2048, p2: 2048, cap: 4096, threads: 256, q_bf16: 1, w_bf16: 0, mode: 0, fast: 0, chunk: 0, tt: 1 };
+        let p = IndexerTopkParams { arch: 120, heads: 32, dim: 128, rope: 64, row: 704, koff: 576, page: 64, pps: 3168, topk: 2048, p2: 2048, cap: 4096, threads: 256, q_bf16: 1, w_bf16: 0, mode: 0, fast: 0, chunk: 0, tt: 1, stride: 1 };
         let pair = |tokens, prefill, limit| indexer_pairs(p, tokens, prefill, 188, limit).unwrap().map(|q| q.tt);
         assert_eq!(pair(512, true, 101_376), Some(2));
         assert_eq!(pair(376, true, 101_376), Some(2));
