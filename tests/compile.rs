@@ -596,7 +596,7 @@ fn inspect_reports_memory_programs_and_sharding() {
     assert_eq!(names, ["prefill_16", "prefill_64", "decode_1", "decode_3"]);
     // Liveness reuse: the workspace is far smaller than all buffers laid end to end.
     let plan = kiln_runtime::plan::read_plan(&art).unwrap();
-    let p = &plan.programs[plan.prefill_program(64).unwrap()];
+    let p = &plan.programs[plan.prefill_program(64, 0).unwrap()];
     let total: u64 = p.buffers.iter().map(|b| b.bytes).sum();
     assert!(p.workspace_bytes * 4 < total, "workspace {} vs sum of buffers {total}", p.workspace_bytes);
 }
@@ -809,7 +809,8 @@ fn attention_absorbs_kv_b_once_per_step_in_prefill_as_in_decode() {
             prefill_steps += usize::from(p.name.starts_with("prefill"));
         }
     }
-    assert_eq!(prefill_steps, 5 * plan.model.num_hidden_layers, "every layer of the 5 prefill programs");
+    // (5 chunk sizes, and the 512- and 2,048-token chunks' programs for deep chunks)
+    assert_eq!(prefill_steps, 7 * plan.model.num_hidden_layers, "every layer of the 7 prefill programs");
 }
 
 #[test]
@@ -818,10 +819,11 @@ fn prefill_indexer_takes_a_block_per_two_tokens_where_they_fill_the_sms() {
     use kiln_runtime::plan::{read_plan, Op, ProgramKind};
     // the shipped GLM-5 plan: the 8,192-token chunk selects across the 8 ranks (each its rows of
     // every 8th token, gathered right after: by the model the scoring saved outweighs the gather
-    // even from position 0; smaller chunks save nothing there); prefill launches with at least a
-    // pair of rows per SM (512 rows and more on sm_120a's 188 SMs) score and select a block per
-    // two rows (`TT` = 2: a pair past index_topk loads each key once), smaller ones and decode a
-    // block per token
+    // even from position 0), the 2,048- and 512-token chunks only in second programs for chunks
+    // deep in a context (from 0 they save nothing); prefill launches with at least a pair of
+    // rows per SM (512 rows and more on sm_120a's 188 SMs) score and select a block per two rows
+    // (`TT` = 2: a pair past index_topk loads each key once), smaller ones and decode a block per
+    // token
     let art = Path::new(env!("CARGO_MANIFEST_DIR")).join("artifacts/GLM-5-NVFP4-sm120a-tp8");
     let plan = read_plan(&art).unwrap();
     let (consts, _) = Constants::for_target(&plan.target).unwrap();
@@ -856,9 +858,19 @@ fn prefill_indexer_takes_a_block_per_two_tokens_where_they_fill_the_sms() {
     paired.dedup();
     across.dedup();
     assert_eq!(paired, ["prefill_512", "prefill_2048", "prefill_8192"]);
-    assert_eq!(across, ["prefill_8192"]);
+    assert_eq!(across, ["prefill_512_from_2680", "prefill_2048_from_1363", "prefill_8192"]);
+    // the runtime takes a deep chunk's program from its position on, the first program of a
+    // size before, and the largest chunk for longer prompts
+    let name = |tokens, first| plan.programs[plan.prefill_program(tokens, first).unwrap()].name.as_str();
+    assert_eq!([name(2048, 0), name(2048, 1362), name(1808, 1363), name(2048, 30_000)], ["prefill_2048", "prefill_2048", "prefill_2048_from_1363", "prefill_2048_from_1363"]);
+    assert_eq!([name(300, 2679), name(512, 2680), name(129, 100_000), name(100, 100_000)], ["prefill_512", "prefill_512_from_2680", "prefill_512_from_2680", "prefill_128"]);
+    assert_eq!([name(20_000, 0), name(3000, 50_000)], ["prefill_8192", "prefill_8192"]);
+    for p in plan.programs.iter().filter(|p| p.from_position > 0) {
+        assert_eq!(p.name, format!("prefill_{}_from_{}", p.tokens, p.from_position));
+    }
     // `kiln inspect` shows the decision with the model's numbers
     let c = plan.sharding.iter().find(|c| c.what == "the DSA indexer's top-k in prefill chunks").expect("the indexer's prefill choice");
-    assert_eq!(c.how, "chunks of 8192 tokens: rank r selects for tokens r, r + 8, ..., the lists all-gathered after (one collective a layer); chunks of 32, 128, 512, 2048: every rank selects for every token", "{c:?}");
-    assert!(c.why.contains("2048: 0 µs saved") && c.why.contains("8192: "), "{c:?}");
+    let sizes = "32: every rank every token; 128: every rank every token; 512: across ranks from position 2680 (a second program), every rank every token before; 2048: across ranks from position 1363 (a second program), every rank every token before; 8192: across ranks";
+    assert!(c.how.ends_with(sizes), "{c:?}");
+    assert!(c.why.contains("2048 from 0: 0 µs saved") && c.why.contains("8192 from 0: "), "{c:?}");
 }

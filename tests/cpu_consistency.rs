@@ -208,6 +208,32 @@ fn the_sequence_parallel_indexer_gives_the_replicated_bits() {
     }
 }
 
+/// A chunk size's second program for chunks deep in a context (`from:20`: selecting across the
+/// ranks from position 20 on) is what the runtime replays for chunks from there: 40 tokens in
+/// chunks of 16 take the first program at positions 0 and 16 and the second at 32, with the
+/// replicated indexer's bits.
+#[test]
+fn chunks_deep_in_a_context_take_their_own_program_with_the_same_bits() {
+    let ids = prompt(40, 6);
+    let whole = plan("chunk16-tp2-never", &["--prefill-chunk", "16", "--tp", "2", "--sequence-parallel-indexer", "never"]);
+    let deep = plan("chunk16-tp2-from20", &["--prefill-chunk", "16", "--tp", "2", "--sequence-parallel-indexer", "from:20"]);
+    let want = session(&whole, F32).logits(&ids, false).unwrap();
+    let mut s = session(&deep, F32);
+    let names: Vec<String> = s.plan().programs.iter().map(|p| p.name.clone()).collect();
+    assert!(names.contains(&"prefill_16_from_20".to_string()), "{names:?}");
+    let replayed = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let sink = replayed.clone();
+    s.cpu_mut().unwrap().set_observer(Some(Box::new(move |v: &kiln_runtime::cpu::StepView| {
+        if v.step == 0 && v.phase == kiln_runtime::cpu::StepPhase::Before {
+            sink.lock().unwrap().push(names[v.program].clone());
+        }
+    })));
+    let got = s.logits(&ids, false).unwrap();
+    assert_eq!(*replayed.lock().unwrap(), ["prefill_16", "prefill_16", "prefill_16_from_20"]);
+    let off = got.iter().zip(&want).filter(|(g, w)| g.to_bits() != w.to_bits()).count();
+    assert_eq!(off, 0, "{off} logits differ from the replicated indexer's");
+}
+
 #[test]
 fn chunked_prefill_equals_one_prefill() {
     // --prefill-chunk 16: a single 16-token bucket, so 40 tokens take three chunks (16, 16, 8).

@@ -148,8 +148,8 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
     let chunks = prefill_buckets(chunk);
     let buckets = specialize::buckets(&chunks, &batches, cfg.vocab_size, pages_per_seq);
     let mut programs: Vec<_> = buckets.iter().map(|b| specialize::specialize(&sharded.graph, b)).collect();
-    for p in &mut programs {
-        sequence_parallel::indexer_across_ranks(p, opts.tp, opts.sequence_parallel, &cfg, &consts);
+    sequence_parallel::apply(&mut programs, opts.tp, opts.sequence_parallel, &cfg, &consts, max_context);
+    for p in &programs {
         verify::program("specialize", p, &slots, &cfg, opts.tp)?;
     }
 
@@ -160,7 +160,7 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
     let mem = memory::plan_memory(&cfg, &target, headroom, weights, workspace, &kv)?;
     verify::memory(&slots, &programs, &mem)?;
 
-    let indexer_choice = sequence_parallel::choice(&chunks, opts.tp, opts.sequence_parallel, &cfg, &consts);
+    let indexer_choice = sequence_parallel::choice(&chunks, opts.tp, opts.sequence_parallel, &cfg, &consts, max_context);
     let fingerprint = fingerprint(&sharded.graph.tensors);
     let mut plan = Plan {
         format_version: FORMAT_VERSION,

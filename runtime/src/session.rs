@@ -279,7 +279,7 @@ impl Runner {
             let remaining = ids.len() - done;
             let index = self
                 .plan()
-                .prefill_program(remaining)
+                .prefill_program(remaining, start + done)
                 .ok_or_else(|| RuntimeError::Unsupported { message: "the plan has no prefill program".into() })?;
             let (tokens, logit_rows) = (self.plan().programs[index].tokens, self.plan().programs[index].logit_rows);
             let mut m = remaining.min(tokens);

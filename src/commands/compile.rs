@@ -33,12 +33,16 @@ pub struct Args {
     #[arg(long, default_value = "auto", value_parser = ["auto", "all", "none"])]
     split_projections: String,
     /// Prefill chunks whose DSA indexer selects across GPUs: GPU r takes tokens r, r + tp, ...
-    /// and one all-gather of the lists per layer gives every GPU all of them: auto (chunks
-    /// where, by the performance model, the scoring a GPU no longer does outweighs the gather
-    /// even from position 0: 8,192 tokens for GLM-5 at --tp 8), always (every chunk that divides
-    /// by --tp), or never. Same selections either way.
-    #[arg(long, default_value = "auto", value_parser = ["auto", "always", "never"])]
-    sequence_parallel_indexer: String,
+    /// and one all-gather of the lists per layer gives every GPU all of them. auto: where, by
+    /// the performance model, the scoring a GPU no longer does outweighs the gather; a chunk
+    /// size where it does only deeper in a context (the saving grows with the position) gets a
+    /// second program that the runtime takes for chunks from there on (GLM-5 at --tp 8: 8,192
+    /// tokens always, 2,048 from position 1,363, 512 from 2,680; `kiln inspect` shows the
+    /// numbers). always: every chunk that divides by --tp. never. from:N: every such chunk
+    /// size also gets a second program for chunks from position N (for testing). Same
+    /// selections either way.
+    #[arg(long, default_value = "auto", value_parser = parse_sequence_parallel)]
+    sequence_parallel_indexer: SequenceParallel,
     /// Memory per GPU to plan for, e.g. 96GB or 40GiB (default: the target's).
     #[arg(long)]
     gpu_memory: Option<String>,
@@ -77,6 +81,19 @@ pub struct Args {
     out: PathBuf,
 }
 
+/// `auto`, `always`, `never` or `from:N`.
+fn parse_sequence_parallel(s: &str) -> Result<SequenceParallel, String> {
+    match s {
+        "auto" => Ok(SequenceParallel::Auto),
+        "always" => Ok(SequenceParallel::Always),
+        "never" => Ok(SequenceParallel::Never),
+        _ => match s.strip_prefix("from:").map(str::parse::<usize>) {
+            Some(Ok(n)) => Ok(SequenceParallel::From(n)),
+            _ => Err(format!("`{s}`: expected auto, always, never or from:N (N a position)")),
+        },
+    }
+}
+
 pub fn run(a: Args) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
     let opts = CompileOptions {
@@ -88,11 +105,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "none" => SplitProjections::None,
             _ => SplitProjections::Auto,
         },
-        sequence_parallel: match a.sequence_parallel_indexer.as_str() {
-            "always" => SequenceParallel::Always,
-            "never" => SequenceParallel::Never,
-            _ => SequenceParallel::Auto,
-        },
+        sequence_parallel: a.sequence_parallel_indexer,
         gpu_memory: a.gpu_memory.map(|s| parse_bytes("--gpu-memory", &s)).transpose()?,
         headroom: a.headroom.map(|s| parse_bytes("--headroom", &s)).transpose()?,
         prefill_chunk: a.prefill_chunk,

@@ -167,9 +167,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     row(&mut out, "free", g.free_bytes, String::new());
     writeln!(out)?;
     writeln!(out, "programs (one CUDA graph per rank each)")?;
-    writeln!(out, "  {:<16}{:>8}{:>8}{:>8}{:>8}{:>13}{:>14}", "name", "kind", "tokens", "logits", "steps", "collectives", "workspace")?;
+    // (names as long as `prefill_2048_from_1363` keep the columns aligned)
+    let w = s.programs.iter().map(|p| p.name.len() + 2).max().unwrap_or(0).max(16);
+    writeln!(out, "  {:<w$}{:>8}{:>8}{:>8}{:>8}{:>13}{:>14}", "name", "kind", "tokens", "logits", "steps", "collectives", "workspace")?;
     for p in &s.programs {
-        writeln!(out, "  {:<16}{:>8}{:>8}{:>8}{:>8}{:>13}{:>14}", p.name, p.kind, p.tokens, p.logit_rows, p.steps, p.collectives, human_bytes(p.workspace_bytes))?;
+        writeln!(out, "  {:<w$}{:>8}{:>8}{:>8}{:>8}{:>13}{:>14}", p.name, p.kind, p.tokens, p.logit_rows, p.steps, p.collectives, human_bytes(p.workspace_bytes))?;
     }
     if plan.target.arch != kiln_runtime::plan::Arch::Cpu {
         writeln!(out)?;

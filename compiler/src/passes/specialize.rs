@@ -203,6 +203,7 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
         logits: BufId(graph.logits),
         steps,
         workspace_bytes: 0,
+        from_position: 0,
     }
 }
 

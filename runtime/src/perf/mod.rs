@@ -498,8 +498,8 @@ fn notes(plan: &Plan) -> Vec<String> {
 }
 
 /// The whole report: decode buckets x [`CONTEXTS`], prefill buckets (from position 0, and the
-/// largest one as the last chunk of each context), and the launches of `step` at `context`
-/// summed by kernel, longest first.
+/// largest one and those with a variant for deep chunks as the last chunk of each longer
+/// context), and the launches of `step` at `context` summed by kernel, longest first.
 pub fn report(plan: &Plan, k: &Constants, mut notes_extra: Vec<String>, step: TopStep, context: usize, count: usize) -> Result<Report, String> {
     let ranks = plan.ranks();
     let experts = |t: usize| uniform_experts(plan, t);
@@ -518,17 +518,25 @@ pub fn report(plan: &Plan, k: &Constants, mut notes_extra: Vec<String>, step: To
                     decode.push(DecodeRow { batch, step: StepPerf::of(p, c, batch, &perf, k) });
                 }
             }
-            ProgramKind::Prefill { chunk } => {
+            ProgramKind::Prefill { chunk } if p.from_position == 0 => {
                 let chunk = chunk.min(p.tokens);
                 let perf = predict_program(plan, p, &Load::prefill(p.tokens, chunk, 0, experts, ranks), k)?;
                 prefill.push(PrefillRow { chunk, prefix: 0, step: StepPerf::of(p, chunk, chunk, &perf, k) });
             }
+            // (a variant for chunks deep in a context: at the contexts below)
+            ProgramKind::Prefill { .. } => {}
         }
     }
-    let largest = plan.programs.iter().filter(|p| matches!(p.kind, ProgramKind::Prefill { .. })).max_by_key(|p| p.tokens);
-    if let Some(p) = largest {
-        let chunk = p.tokens;
+    // The largest chunk, and every chunk size with a variant for deep chunks, as the last chunk
+    // of each longer context (by the program the runtime takes there)
+    let prefill_programs = || plan.programs.iter().filter(|p| matches!(p.kind, ProgramKind::Prefill { .. }));
+    let largest = prefill_programs().map(|p| p.tokens).max();
+    let mut deep: Vec<usize> = prefill_programs().filter(|p| p.from_position > 0 || Some(p.tokens) == largest).map(|p| p.tokens).collect();
+    deep.sort_unstable();
+    deep.dedup();
+    for chunk in deep {
         for &c in contexts.iter().filter(|&&c| c > chunk) {
+            let p = &plan.programs[plan.prefill_program(chunk, c - chunk).ok_or("the plan has no prefill program")?];
             let perf = predict_program(plan, p, &Load::prefill(p.tokens, chunk, c - chunk, experts, ranks), k)?;
             prefill.push(PrefillRow { chunk, prefix: c - chunk, step: StepPerf::of(p, c, chunk, &perf, k) });
         }
@@ -565,11 +573,11 @@ pub fn top(plan: &Plan, k: &Constants, step: TopStep, context: usize, count: usi
         TopStep::Prefill { chunk } => {
             let chunk = chunk.max(1);
             // the smallest program holding the chunk, else the largest: a chunk it does not hold
-            let p = plan.prefill_program(chunk).map(|i| &plan.programs[i]).ok_or("the plan has no prefill program")?;
+            let context = context.max(chunk);
+            let p = plan.prefill_program(chunk, context - chunk).map(|i| &plan.programs[i]).ok_or("the plan has no prefill program")?;
             if p.tokens < chunk {
                 return Err(format!("the plan has no prefill program for a chunk of {chunk} tokens (its largest chunk: {})", p.tokens));
             }
-            let context = context.max(chunk);
             (p, Load::prefill(p.tokens, chunk, context - chunk, experts, plan.ranks()), 1, chunk, context)
         }
     };

@@ -29,7 +29,7 @@ pub use weights::{
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever the serialized layout of [`Plan`] changes; the runtime refuses other versions.
-pub const FORMAT_VERSION: u32 = 16;
+pub const FORMAT_VERSION: u32 = 17;
 
 /// A compiled model for one target: the unit the runtime loads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -97,13 +97,12 @@ impl Plan {
     }
 
     /// Index of the smallest prefill program whose chunk holds `tokens` tokens, else of the
-    /// largest one (the caller then prefills in chunks).
-    pub fn prefill_program(&self, tokens: usize) -> Option<usize> {
-        let prefill = || self.programs.iter().enumerate().filter(|(_, p)| matches!(p.kind, ProgramKind::Prefill { .. }));
-        prefill()
-            .filter(|(_, p)| p.tokens >= tokens)
-            .min_by_key(|(_, p)| p.tokens)
-            .or_else(|| prefill().max_by_key(|(_, p)| p.tokens))
-            .map(|(i, _)| i)
+    /// largest one (the caller then prefills in chunks); of the programs of that size, the one
+    /// made for chunks from the latest position at or before `first_position` (the position of
+    /// the chunk's first token: a variant for chunks deep in a context, `Program::from_position`).
+    pub fn prefill_program(&self, tokens: usize, first_position: usize) -> Option<usize> {
+        let prefill = || self.programs.iter().enumerate().filter(|(_, p)| matches!(p.kind, ProgramKind::Prefill { .. }) && p.from_position <= first_position);
+        let size = prefill().filter(|(_, p)| p.tokens >= tokens).map(|(_, p)| p.tokens).min().or_else(|| prefill().map(|(_, p)| p.tokens).max())?;
+        prefill().filter(|(_, p)| p.tokens == size).max_by_key(|(_, p)| p.from_position).map(|(i, _)| i)
     }
 }

@@ -170,6 +170,10 @@ pub struct Program {
     pub steps: Vec<Step>,
     /// Bytes of workspace this program needs (inputs + live activations at their peak).
     pub workspace_bytes: u64,
+    /// Prefill: the least position of a chunk's first token this program is for. 0 for every
+    /// chunk size; a variant of a size for chunks deep in a context (where its sequence-parallel
+    /// indexer pays) has the position from which it does.
+    pub from_position: usize,
 }
 
 impl Program {
