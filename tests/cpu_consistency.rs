@@ -146,6 +146,20 @@ fn tensor_parallel_plans_equal_tp1() {
     }
 }
 
+/// `other`'s logits of `ids` have `replicated`'s bits at F32 and with the GPU's BF16 buffers and
+/// FP4 activations, prefilled and decoded token by token.
+fn same_bits_both_ways(replicated: &Path, other: &Path, ids: &[u32], what: &str) {
+    let gpu_like = CpuOptions { precision: Precision::Bf16, act_quant: ActQuant::W4A4, attention: None };
+    for opts in [F32, gpu_like] {
+        for decode in [false, true] {
+            let want = session(replicated, opts).logits(ids, decode).unwrap();
+            let got = session(other, opts).logits(ids, decode).unwrap();
+            let off = got.iter().zip(&want).filter(|(g, w)| g.to_bits() != w.to_bits()).count();
+            assert_eq!(off, 0, "{what}, {:?}, decode {decode}: {off} logits differ from the replicated plan's", opts.precision);
+        }
+    }
+}
+
 /// Splitting the replicated projections by output rows behind all-gathers (`--split-projections
 /// all`: q_a, kv_a and the indexer's; the tiny model is too small for `auto` to split any) moves
 /// no arithmetic: each output is the same dot product, the gather a copy. So the bits equal the
@@ -154,7 +168,6 @@ fn tensor_parallel_plans_equal_tp1() {
 #[test]
 fn split_projections_give_the_replicated_bits() {
     let ids = prompt(40, 4);
-    let gpu_like = CpuOptions { precision: Precision::Bf16, act_quant: ActQuant::W4A4, attention: None };
     for tp in ["2", "8"] {
         let whole = plan(&format!("tp{tp}"), &["--tp", tp]);
         let split = plan(&format!("tp{tp}-split"), &["--tp", tp, "--split-projections", "all"]);
@@ -162,14 +175,7 @@ fn split_projections_give_the_replicated_bits() {
         for name in ["q_a_proj", "kv_a_proj_with_mqa", "indexer.wq_b", "indexer.wk", "indexer.weights_proj"] {
             assert!(text.lines().any(|l| l.contains(name) && l.contains("all-gathered after it")), "TP {tp}: {name} not split:\n{text}");
         }
-        for opts in [F32, gpu_like] {
-            for decode in [false, true] {
-                let want = session(&whole, opts).logits(&ids, decode).unwrap();
-                let got = session(&split, opts).logits(&ids, decode).unwrap();
-                let off = got.iter().zip(&want).filter(|(g, w)| g.to_bits() != w.to_bits()).count();
-                assert_eq!(off, 0, "TP {tp}, {:?}, decode {decode}: {off} logits differ from the replicated plan's", opts.precision);
-            }
-        }
+        same_bits_both_ways(&whole, &split, &ids, &format!("TP {tp}, split projections"));
     }
 }
 
@@ -182,7 +188,6 @@ fn split_projections_give_the_replicated_bits() {
 fn the_sequence_parallel_indexer_gives_the_replicated_bits() {
     use kiln_runtime::plan::{read_plan, Op, ProgramKind};
     let ids = prompt(40, 5);
-    let gpu_like = CpuOptions { precision: Precision::Bf16, act_quant: ActQuant::W4A4, attention: None };
     for tp in ["2", "8"] {
         let whole = plan(&format!("tp{tp}-sp-never"), &["--tp", tp, "--sequence-parallel-indexer", "never"]);
         let split = plan(&format!("tp{tp}-sp-always"), &["--tp", tp, "--sequence-parallel-indexer", "always"]);
@@ -197,14 +202,7 @@ fn the_sequence_parallel_indexer_gives_the_replicated_bits() {
                 assert!(matches!(&steps[i + 1].op, Op::AllGather { pairs } if pairs.len() == 1 && pairs[0].input == out), "TP {tp} {}: no gather of the lists after step {i}", program.name);
             }
         }
-        for opts in [F32, gpu_like] {
-            for decode in [false, true] {
-                let want = session(&whole, opts).logits(&ids, decode).unwrap();
-                let got = session(&split, opts).logits(&ids, decode).unwrap();
-                let off = got.iter().zip(&want).filter(|(g, w)| g.to_bits() != w.to_bits()).count();
-                assert_eq!(off, 0, "TP {tp}, {:?}, decode {decode}: {off} logits differ from the replicated indexer's", opts.precision);
-            }
-        }
+        same_bits_both_ways(&whole, &split, &ids, &format!("TP {tp}, the sequence-parallel indexer"));
     }
 }
 
