@@ -559,31 +559,26 @@ fn all_gather(ranks: &mut [Rank], staging: &mut Vec<f32>, cx: &Cx, input: BufId,
     if cx.program.buffer(out).dtype == DType::I32 {
         // (lists of positions: copied as they are)
         let mut acc = vec![0i32; rows * wo];
-        for (r, rank) in ranks.iter().enumerate() {
-            let src = &rank.i[input.0 as usize];
-            for row in 0..rows {
-                acc[row * wo + r * w..row * wo + (r + 1) * w].copy_from_slice(&src[row * w..(row + 1) * w]);
-            }
-        }
-        for rank in ranks.iter_mut() {
-            rank.i[out.0 as usize][..rows * wo].copy_from_slice(&acc);
-        }
+        place_rank_rows(ranks.iter().map(|r| &r.i[input.0 as usize][..rows * w]), w, &mut acc);
+        ranks.iter_mut().for_each(|r| r.i[out.0 as usize][..rows * wo].copy_from_slice(&acc));
         return Ok(());
     }
     let round = Round::for_dtype(cx.program.buffer(out).dtype, cx.opts.precision);
     let acc = scratch::grow(staging, rows * wo);
-    for (r, rank) in ranks.iter().enumerate() {
-        let src = &rank.f[input.0 as usize];
-        for row in 0..rows {
-            for (a, &v) in acc[row * wo + r * w..row * wo + (r + 1) * w].iter_mut().zip(&src[row * w..(row + 1) * w]) {
-                *a = round.apply(v);
-            }
+    place_rank_rows(ranks.iter().map(|r| &r.f[input.0 as usize][..rows * w]), w, acc);
+    acc.iter_mut().for_each(|a| *a = round.apply(*a));
+    ranks.iter_mut().for_each(|r| r.f[out.0 as usize][..rows * wo].copy_from_slice(acc));
+    Ok(())
+}
+
+/// Row j of `out` = row j of each rank's `w`-wide rows, in rank order.
+fn place_rank_rows<'a, T: Copy + 'a>(ranks: impl ExactSizeIterator<Item = &'a [T]>, w: usize, out: &mut [T]) {
+    let wo = w * ranks.len();
+    for (r, src) in ranks.enumerate() {
+        for (row, s) in src.chunks_exact(w.max(1)).enumerate() {
+            out[row * wo + r * w..row * wo + (r + 1) * w].copy_from_slice(s);
         }
     }
-    for rank in ranks.iter_mut() {
-        rank.f[out.0 as usize][..rows * wo].copy_from_slice(acc);
-    }
-    Ok(())
 }
 
 /// The arena bytes of a slot.
