@@ -75,7 +75,7 @@ fn http_basics_and_the_openai_client() {
     assert!(t.elapsed() < Duration::from_secs(4), "4 huge prompts took {:?}", t.elapsed());
 
     // The official client (CI installs it; see .ci/run).
-    openai_client_suite(port, "CPU backend");
+    openai_client_suite(port, "CPU backend", &[]);
 }
 
 /// logprobs, `n`, penalties, min_tokens/stop_token_ids, json_object/json_schema, forced

@@ -54,10 +54,10 @@ pub fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
 }
 
 /// Runs tests/server/test_openai_client.py (the official client) against the server, which
-/// serves model `kiln-tiny` with --enable-test-hooks. Skipped (with a note) only outside CI
-/// when the client is not installed.
-pub fn openai_client_suite(port: u16, what: &str) {
-    openai_client_script(port, "test_openai_client.py", what)
+/// serves model `kiln-tiny` with --enable-test-hooks, less the script's tests named in `skip`.
+/// Skipped (with a note) only outside CI when the client is not installed.
+pub fn openai_client_suite(port: u16, what: &str, skip: &[&str]) {
+    openai_client_script_skipping(port, "test_openai_client.py", what, skip)
 }
 
 /// The python that has the official `openai` client (scripts/test.sh sets KILN_PYTHON); None,
@@ -75,9 +75,19 @@ pub fn python_with_openai() -> Option<String> {
 
 /// Runs `tests/server/<script>` with the official client against the server on `port`.
 pub fn openai_client_script(port: u16, script: &str, what: &str) {
+    openai_client_script_skipping(port, script, what, &[])
+}
+
+fn openai_client_script_skipping(port: u16, script: &str, what: &str, skip: &[&str]) {
     let Some(python) = python_with_openai() else { return };
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/server").join(script);
-    let out = Command::new(&python).arg(&script).env("KILN_BASE_URL", format!("http://127.0.0.1:{port}")).env("KILN_MODEL", "kiln-tiny").output().unwrap();
+    let out = Command::new(&python)
+        .arg(&script)
+        .env("KILN_BASE_URL", format!("http://127.0.0.1:{port}"))
+        .env("KILN_MODEL", "kiln-tiny")
+        .env("KILN_SKIP_TESTS", skip.join(","))
+        .output()
+        .unwrap();
     let report = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "openai client tests failed ({what}):\n{report}\n{}", String::from_utf8_lossy(&out.stderr));
 }
