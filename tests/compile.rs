@@ -111,7 +111,8 @@ fn same_input_gives_byte_identical_artifacts() {
 /// Per-GPU weight bytes of GLM-5-NVFP4 at TP 8, counted by hand from the tensor table
 /// (glm5.md section 3/4) and kiln's sharding rules as documented, not from compiler code.
 fn glm5_expected_weight_bytes_tp8() -> u64 {
-    glm5_expected_weight_bytes(8, 78, &["q_a", "kv_a", "wq_b"])
+    // plus the whole copy of wq_b that prefill programs compute from (every layer, BF16)
+    glm5_expected_weight_bytes(8, 78, &["q_a", "kv_a", "wq_b"]) + 78 * 2 * 4096 * 2048
 }
 
 /// The same count for `tp` ranks and the first `layers` decoder layers (3 dense, then MoE), with
@@ -220,6 +221,16 @@ fn glm5_skeleton_tp8_matches_independent_weight_count_and_public_kv_capacity() {
     ] {
         let choice = j["sharding"].as_array().unwrap().iter().find(|c| c["what"].as_str().unwrap().starts_with(&format!("layers.*.self_attn.{name} "))).unwrap_or_else(|| panic!("no sharding choice for {name}"));
         assert_eq!(choice["how"].as_str().unwrap().starts_with("split by output rows"), saved(rows, k) > gather_us, "{name}: {choice}");
+        // A split projection also keeps a whole copy for prefill where its gather of an
+        // 8,192-token chunk (NCCL: 25 µs + bytes / 40 GB/s; only the transfer where it joins
+        // q_a's) costs at least 4x what the rows a rank lacks add there: their bytes at 1.792
+        // TB/s x 0.85 and their FLOPs at 0.4 PFLOP/s (wq_b 1,703 µs against 310; q_a 864
+        // against 465; kv_a 236 against 131).
+        let chunk_bytes = 8192.0 * rows * 2.0;
+        let chunk_gather = if name == "kv_a_proj_with_mqa" { chunk_bytes / 40e3 } else { 25.0 + chunk_bytes / 40e3 };
+        let lacking = 7.0 / 8.0 * (rows * k * 2.0 / (1.792e6 * 0.85) + 2.0 * 8192.0 * rows * k / 0.4e9);
+        let copied = choice["how"].as_str().unwrap().contains("prefill computes it whole from a copy");
+        assert_eq!(copied, saved(rows, k) > gather_us && chunk_gather >= 4.0 * lacking, "{name}: {choice}");
     }
     let g = &j["per_gpu"];
     let by_kind: u64 = g["weight_bytes_by_kind"].as_array().unwrap().iter().map(|k| k["bytes"].as_u64().unwrap()).sum();
@@ -245,7 +256,7 @@ fn glm5_skeleton_tp8_matches_independent_weight_count_and_public_kv_capacity() {
     // The same compile in 40 GB does not fit and says by how much.
     let err = fails(
         &["compile", s(&ckpt), "--target", "sm_120a", "--tp", "8", "--gpu-memory", "40GB", "-o", s(&root.join("small"))],
-        &["does not fit", "more than available", "weights 51."],
+        &["does not fit", "more than available", "weights 52."],
     );
     assert!(!root.join("small").join("plan.bin").exists(), "no artifact on failure: {err}");
 }

@@ -164,18 +164,34 @@ fn same_bits_both_ways(replicated: &Path, other: &Path, ids: &[u32], what: &str)
 /// all`: q_a, kv_a and the indexer's; the tiny model is too small for `auto` to split any) moves
 /// no arithmetic: each output is the same dot product, the gather a copy. So the bits equal the
 /// replicated plan's, at F32 and with the GPU's BF16 buffers and FP4 activations, prefill and
-/// decode, at TP 2 and 8.
+/// decode, at TP 2 and 8. So do prefill programs computing them whole from copies
+/// (`--prefill-copies all`), whose only gather is then the logits'; decode keeps the split.
 #[test]
 fn split_projections_give_the_replicated_bits() {
+    use kiln_runtime::plan::{read_plan, Op, ProgramKind};
     let ids = prompt(40, 4);
+    let gathers = |art: &Path, prefill: bool| {
+        let plan = read_plan(art).unwrap();
+        let p = plan.programs.iter().find(|p| matches!(p.kind, ProgramKind::Prefill { .. }) == prefill).unwrap();
+        p.steps.iter().filter(|s| matches!(s.op, Op::AllGather { .. })).count()
+    };
     for tp in ["2", "8"] {
         let whole = plan(&format!("tp{tp}"), &["--tp", tp]);
-        let split = plan(&format!("tp{tp}-split"), &["--tp", tp, "--split-projections", "all"]);
+        let split = plan(&format!("tp{tp}-split"), &["--tp", tp, "--split-projections", "all", "--prefill-copies", "none"]);
         let text = String::from_utf8(ok(&["inspect", s(&split)]).stdout).unwrap();
         for name in ["q_a_proj", "kv_a_proj_with_mqa", "indexer.wq_b", "indexer.wk", "indexer.weights_proj"] {
             assert!(text.lines().any(|l| l.contains(name) && l.contains("all-gathered after it")), "TP {tp}: {name} not split:\n{text}");
         }
         same_bits_both_ways(&whole, &split, &ids, &format!("TP {tp}, split projections"));
+        let copied = plan(&format!("tp{tp}-copies"), &["--tp", tp, "--split-projections", "all", "--prefill-copies", "all"]);
+        let text = String::from_utf8(ok(&["inspect", s(&copied)]).stdout).unwrap();
+        for name in ["q_a_proj", "kv_a_proj_with_mqa", "indexer.wq_b", "indexer.wk", "indexer.weights_proj"] {
+            assert!(text.lines().any(|l| l.contains(name) && l.contains("prefill computes it whole from a copy")), "TP {tp}: {name} not copied:\n{text}");
+        }
+        assert!(gathers(&split, true) > 1, "TP {tp}: the split plan's prefill gathers its projections");
+        assert_eq!(gathers(&copied, true), 1, "TP {tp}: prefill with copies gathers only the logits");
+        assert_eq!(gathers(&copied, false), gathers(&split, false), "TP {tp}: decode keeps the split");
+        same_bits_both_ways(&whole, &copied, &ids, &format!("TP {tp}, split projections with prefill copies"));
     }
 }
 

@@ -22,7 +22,7 @@ use checkpoint::Checkpoint;
 use kiln_runtime::plan::{MoeParallel, Parallelism, Plan, FORMAT_VERSION};
 use passes::{assemble, lower, memory, merge, sequence_parallel, shard, specialize, verify};
 pub use passes::sequence_parallel::SequenceParallel;
-pub use passes::shard::SplitProjections;
+pub use passes::shard::{PrefillCopies, SplitProjections};
 
 /// The most sequences one decode program may batch (and the KV plan reserve for).
 pub const MAX_DECODE_BATCH: usize = 4096;
@@ -36,6 +36,8 @@ pub struct CompileOptions {
     pub moe: MoeParallel,
     /// Which replicated projections are split by output rows behind an all-gather.
     pub split_projections: SplitProjections,
+    /// Which split projections keep a whole copy that prefill programs compute from.
+    pub prefill_copies: PrefillCopies,
     /// Which prefill programs select their indexer lists across ranks (`passes/sequence_parallel.rs`).
     pub sequence_parallel: SequenceParallel,
     /// Per-GPU memory to plan for (default: the target's).
@@ -60,6 +62,7 @@ impl Default for CompileOptions {
             tp: 1,
             moe: MoeParallel::Tp,
             split_projections: SplitProjections::Auto,
+            prefill_copies: PrefillCopies::Auto,
             sequence_parallel: SequenceParallel::Auto,
             gpu_memory: None,
             headroom: None,
@@ -134,20 +137,25 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
     // a CPU plan splits what the product target would (the bits are the same either way)
     let consts = kiln_runtime::perf::Constants::for_target(&target).map_or(kiln_runtime::perf::Constants::SM120A, |(k, _)| k);
     let max_batch = opts.decode_batches.iter().copied().max().unwrap_or(1);
-    let split = shard::SplitPolicy { projections: opts.split_projections, consts, max_batch };
+    let chunk = opts.prefill_chunk.min(max_context);
+    let split = shard::SplitPolicy { projections: opts.split_projections, copies: opts.prefill_copies, consts, max_batch, prefill_chunk: chunk };
     let sharded = shard::shard(graph, &cfg, &parallel, &split)?;
     let pages_per_seq = max_context.div_ceil(memory::KV_PAGE_SIZE);
     let probe = specialize::Bucket { kind: kiln_runtime::plan::ProgramKind::Decode { batch: 1 }, tokens: 1, seqs: 1, logit_rows: 1, pages_per_seq };
     let mut slots = sharded.slots;
     verify::program("shard", &specialize::specialize(&sharded.graph, &probe), &slots, &cfg, opts.tp)?;
 
-    let chunk = opts.prefill_chunk.min(max_context);
     let mut batches = opts.decode_batches.clone();
     batches.sort_unstable();
     batches.dedup();
     let chunks = prefill_buckets(chunk);
     let buckets = specialize::buckets(&chunks, &batches, cfg.vocab_size, pages_per_seq);
-    let mut programs: Vec<_> = buckets.iter().map(|b| specialize::specialize(&sharded.graph, b)).collect();
+    // prefill programs run the steps with the whole copies where there are any
+    let graph_for = |b: &specialize::Bucket| match (&b.kind, &sharded.prefill_graph) {
+        (kiln_runtime::plan::ProgramKind::Prefill { .. }, Some(g)) => g,
+        _ => &sharded.graph,
+    };
+    let mut programs: Vec<_> = buckets.iter().map(|b| specialize::specialize(graph_for(b), b)).collect();
     sequence_parallel::apply(&mut programs, opts.tp, opts.sequence_parallel, &cfg, &consts, max_context);
     for p in &programs {
         verify::program("specialize", p, &slots, &cfg, opts.tp)?;

@@ -1,6 +1,6 @@
 use anyhow::Context;
 use kiln_compiler::targets::parse_bytes;
-use kiln_compiler::{compile, CompileOptions, SequenceParallel, SplitProjections};
+use kiln_compiler::{compile, CompileOptions, PrefillCopies, SequenceParallel, SplitProjections};
 use kiln_runtime::plan::MoeParallel;
 use kiln_runtime::bind::CheckpointFiles;
 use kiln_runtime::weight_check::{hash_tensors, tensor_progress};
@@ -32,6 +32,14 @@ pub struct Args {
     /// each decision and its numbers), all, or none (all replicated). Same bits either way.
     #[arg(long, default_value = "auto", value_parser = ["auto", "all", "none"])]
     split_projections: String,
+    /// Split projections that also keep a whole copy on every GPU for prefill: prefill programs
+    /// compute them whole from it instead of all-gathering a chunk's outputs over NCCL, while
+    /// decode keeps the split. auto: where, at the largest prefill chunk, the gather costs at
+    /// least 4x what computing the projection whole adds (a copy holds memory the KV cache would
+    /// otherwise have; GLM-5 at --tp 8: the indexer's wq_b, 1.2 GiB per GPU); all; none. Same
+    /// bits either way.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "all", "none"])]
+    prefill_copies: String,
     /// Prefill chunks whose DSA indexer selects across GPUs: GPU r takes tokens r, r + tp, ...
     /// and one all-gather of the lists per layer gives every GPU all of them. auto: where, by
     /// the performance model, the scoring a GPU no longer does outweighs the gather; a chunk
@@ -104,6 +112,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "all" => SplitProjections::All,
             "none" => SplitProjections::None,
             _ => SplitProjections::Auto,
+        },
+        prefill_copies: match a.prefill_copies.as_str() {
+            "all" => PrefillCopies::All,
+            "none" => PrefillCopies::None,
+            _ => PrefillCopies::Auto,
         },
         sequence_parallel: a.sequence_parallel_indexer,
         gpu_memory: a.gpu_memory.map(|s| parse_bytes("--gpu-memory", &s)).transpose()?,

@@ -27,29 +27,55 @@ pub enum SplitProjections {
     None,
 }
 
-/// How [`shard`] decides [`SplitProjections`]: the policy, the model constants `Auto` uses and
-/// the largest decode batch (a shared gather must stay within the P2P kernel's limit there).
+/// Which projections split by output rows also keep a whole copy on every rank that prefill
+/// programs compute from instead of gathering the ranks' shares (decode keeps the split, whose
+/// gather is cheap for one token's rows and whose weights it streams every step).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillCopies {
+    /// Those whose gather costs the largest prefill chunk at least [`COPY_MARGIN`] times what
+    /// computing the projection whole adds there (the rows a rank lacks: their weight bytes and
+    /// FLOPs), by the performance model's constants.
+    Auto,
+    /// Every split projection.
+    All,
+    /// None: prefill gathers as decode does.
+    None,
+}
+
+/// How much more a gather must cost than the whole projection's extra work before `Auto` copies
+/// it: a copy holds memory the KV cache would otherwise have, so a narrow win does not pay.
+pub const COPY_MARGIN: f64 = 4.0;
+
+/// How [`shard`] decides [`SplitProjections`] and [`PrefillCopies`]: the policies, the model
+/// constants `Auto` uses, the largest decode batch (a shared gather must stay within the P2P
+/// kernel's limit there) and the largest prefill chunk (where a copy is priced).
 #[derive(Debug, Clone, Copy)]
 pub struct SplitPolicy {
     pub projections: SplitProjections,
+    pub copies: PrefillCopies,
     pub consts: Constants,
     pub max_batch: usize,
+    pub prefill_chunk: usize,
 }
 
 /// The graph with per-rank ops and values, plus the per-rank weight slots (offsets unassigned).
+/// `prefill_graph`: where split projections have whole copies, the graph prefill programs run
+/// (each such projection computed whole from its copy, its share of the gather gone); `None`
+/// where it is `graph`.
 pub struct Sharded {
     pub graph: Graph,
+    pub prefill_graph: Option<Graph>,
     pub slots: Vec<WeightSlot>,
     pub choices: Vec<ShardChoice>,
 }
 
 pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &SplitPolicy) -> Result<Sharded, CompileError> {
     let tp = par.tp;
-    let (gathered, split_choices) = if tp > 1 { split_projections(&mut graph, tp, split) } else { (BTreeMap::new(), Vec::new()) };
+    let Splits { gathered, copies, choices: split_choices } = if tp > 1 { split_projections(&mut graph, tp, split) } else { Splits::default() };
     let slots = graph.weights.iter().map(|w| slot_for(w, par)).collect::<Result<Vec<_>, _>>()?;
     let mut choices = choices(cfg, par, &graph, &slots);
     if tp == 1 {
-        return Ok(Sharded { graph, slots, choices });
+        return Ok(Sharded { graph, prefill_graph: None, slots, choices });
     }
     choices.extend(split_choices);
     let weights = graph.weights.clone();
@@ -58,7 +84,17 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &Spl
     let mut steps = Vec::with_capacity(graph.steps.len() * 2);
     // the gathered pairs of split projections whose shared all-gather is still to come
     let mut pending = Vec::new();
+    // (index in `steps`, the op computing it whole from its copy) per copied projection
+    let mut whole_ops = Vec::new();
     for (index, mut step) in std::mem::take(&mut graph.steps).into_iter().enumerate() {
+        // a copied projection's whole form: the op as the graph has it, on the copy's weights
+        let whole = copies.get(&index).map(|map| {
+            let mut op = step.op.clone();
+            if let Op::Linear { weights, .. } = &mut op {
+                *weights = with_ids(weights, map);
+            }
+            op
+        });
         // Complete every partial sum this op needs whole (Add is linear: it keeps partials, and so
         // does the add of the shared experts' output into the routed experts').
         let added = match step.op {
@@ -141,6 +177,9 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &Spl
             partial[w.0 as usize] = out_partial;
         }
         steps.push(step);
+        if let Some(op) = whole {
+            whole_ops.push((steps.len() - 1, op));
+        }
         if gathered.get(&index) == Some(&true) {
             let pairs = std::mem::take(&mut pending);
             steps.push(Step { op: Op::AllGather { pairs }, kernel: KernelFamily::Collective, launches: Vec::new() });
@@ -160,7 +199,34 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &Spl
     steps.push(Step { op: Op::AllGather { pairs: vec![GatherPair { input: BufId(split), out: BufId(out) }] }, kernel: KernelFamily::Collective, launches: Vec::new() });
     graph.logits = out;
     graph.steps = steps;
-    Ok(Sharded { graph, slots, choices })
+    let prefill_graph = (!whole_ops.is_empty()).then(|| with_whole_projections(&graph, whole_ops));
+    Ok(Sharded { graph, prefill_graph, slots, choices })
+}
+
+/// `graph` with each split projection in `whole_ops` computed whole (its op writes the gathered
+/// buffer) and its pair dropped from the all-gather after it (the gather too, once empty); the
+/// rank's share it no longer writes takes no memory.
+fn with_whole_projections(graph: &Graph, whole_ops: Vec<(usize, Op)>) -> Graph {
+    let mut g = graph.clone();
+    for (at, op) in whole_ops {
+        let Op::Linear { out: local, .. } = g.steps[at].op else { unreachable!("a copied projection is a linear") };
+        g.steps[at].op = op;
+        if let Some(Step { op: Op::AllGather { pairs }, .. }) = g.steps[at + 1..].iter_mut().find(|s| matches!(&s.op, Op::AllGather { pairs } if pairs.iter().any(|p| p.input == local))) {
+            pairs.retain(|p| p.input != local);
+        }
+        g.values[local.0 as usize].dims = vec![Dim::Fixed(0)];
+    }
+    g.steps.retain(|s| !matches!(&s.op, Op::AllGather { pairs } if pairs.is_empty()));
+    g
+}
+
+/// `lw` with its matrix weights replaced as `map` says (the NVFP4 scalars stay).
+fn with_ids(lw: &LinearWeights, map: &BTreeMap<WeightId, WeightId>) -> LinearWeights {
+    let m = |id: &WeightId| *map.get(id).unwrap_or(id);
+    match lw {
+        LinearWeights::Bf16 { weight } => LinearWeights::Bf16 { weight: m(weight) },
+        LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } => LinearWeights::Nvfp4 { weight: m(weight), scale: m(scale), scale_2: *scale_2, input_scale: *input_scale },
+    }
 }
 
 /// The matrix weights of a linear (an NVFP4 linear's per-tensor scalars stay whole).
@@ -181,15 +247,16 @@ fn matrices(lw: &LinearWeights) -> Vec<WeightId> {
 /// pays only for its share of the transfer. A projection split this way must gather in a P2P
 /// kernel (its share of a row whole 16-byte chunks), since NCCL's 25 µs would cost more than any
 /// of them saves.
-fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> (BTreeMap<usize, bool>, Vec<ShardChoice>) {
+fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> Splits {
     let k = &split.consts;
     let mut steps: BTreeMap<usize, bool> = BTreeMap::new();
+    let mut copies: BTreeMap<usize, BTreeMap<WeightId, WeightId>> = BTreeMap::new();
     // the open group: (its last step, its buffers, their bytes per token and rank)
     let mut group: Option<(usize, usize, usize)> = None;
-    // per projection name: (layers, rows, whether split, why)
-    let mut seen: BTreeMap<String, (usize, usize, bool, String)> = BTreeMap::new();
+    // per projection name: (layers, rows, whether split, its weight bytes if copied, why)
+    let mut seen: BTreeMap<String, (usize, usize, bool, Option<usize>, String)> = BTreeMap::new();
     for (index, step) in graph.steps.iter().enumerate() {
-        let Op::Linear { weights, parts, out, .. } = &step.op else { continue };
+        let Op::Linear { weights, parts, out, k: inputs, .. } = &step.op else { continue };
         let ids = matrices(weights);
         // one part only: the gather places each rank's share of a row side by side, which for
         // several parts would interleave them
@@ -229,6 +296,48 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> (BTre
                 ),
             ),
         };
+        // a whole copy for prefill: at the largest chunk, this share of the gather (all of it
+        // unless it joined another's) against the rows a rank lacks, their bytes and FLOPs
+        let chunk = split.prefill_chunk as f64;
+        let chunk_bytes = chunk * (share * tp) as f64;
+        let chunk_gather_us = match joins {
+            Some(_) => chunk_bytes / (k.nccl_gbps * 1e3),
+            None => {
+                let (nccl, p2p) = collective_time(false, false, chunk_bytes, tp, k);
+                p2p.map_or(nccl, |p| p.min(nccl))
+            }
+        };
+        let lacking = (tp - 1) as f64 / tp as f64;
+        let flops_per_us = match weights {
+            LinearWeights::Bf16 { .. } => k.bf16_pflops,
+            LinearWeights::Nvfp4 { .. } => k.fp4_pflops,
+        } * 1e9;
+        let whole_extra_us = lacking * (bytes as f64 / k.bytes_per_us() + 2.0 * chunk * (rows * inputs) as f64 / flops_per_us);
+        let copy = chosen
+            && match split.copies {
+                PrefillCopies::None => false,
+                PrefillCopies::All => true,
+                PrefillCopies::Auto => chunk_gather_us >= COPY_MARGIN * whole_extra_us,
+            };
+        let copy_why = format!(
+            "; its gather at a {}-token prefill chunk {chunk_gather_us:.0} µs, computing it whole there {whole_extra_us:.0} µs more ({})",
+            split.prefill_chunk,
+            match split.copies {
+                PrefillCopies::None => "--prefill-copies none".to_string(),
+                PrefillCopies::All => "--prefill-copies all".to_string(),
+                PrefillCopies::Auto => format!("a copy pays from {COPY_MARGIN}x"),
+            }
+        );
+        if copy {
+            let mut map = BTreeMap::new();
+            for id in &ids {
+                let mut whole = graph.weights[id.0 as usize].clone();
+                whole.name.push_str(".whole");
+                graph.weights.push(whole);
+                map.insert(*id, WeightId(graph.weights.len() as u32 - 1));
+            }
+            copies.insert(index, map);
+        }
         if chosen {
             for id in &ids {
                 graph.weights[id.0 as usize].role = ShardRole::Rows;
@@ -243,17 +352,36 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> (BTre
             steps.insert(index, true);
         }
         let name = projection_name(&graph.weights[ids[0].0 as usize].name);
-        seen.entry(name).and_modify(|e| e.0 += 1).or_insert((1, rows, chosen, why));
+        let why = if chosen { why + &copy_why } else { why };
+        seen.entry(name).and_modify(|e| e.0 += 1).or_insert((1, rows, chosen, copy.then_some(bytes), why));
     }
     let choices = seen
         .into_iter()
-        .map(|(name, (layers, rows, chosen, why))| ShardChoice {
+        .map(|(name, (layers, rows, chosen, copy, why))| ShardChoice {
             what: format!("{name} ({layers} layers)"),
-            how: if chosen { format!("split by output rows, {} of {rows} per rank, all-gathered after it", rows / tp) } else { "replicated".into() },
+            how: match (chosen, copy) {
+                (false, _) => "replicated".into(),
+                (true, None) => format!("split by output rows, {} of {rows} per rank, all-gathered after it", rows / tp),
+                (true, Some(bytes)) => format!(
+                    "split by output rows, {} of {rows} per rank, all-gathered after it at decode; prefill computes it whole from a copy on every rank ({} per rank)",
+                    rows / tp,
+                    human_bytes((bytes * layers) as u64)
+                ),
+            },
             why,
         })
         .collect();
-    (steps, choices)
+    Splits { gathered: steps, copies, choices }
+}
+
+/// What [`split_projections`] decided: the split steps (true: the last of a group whose outputs
+/// share one all-gather after it), the whole copies of those prefill computes whole (step ->
+/// split weight -> its copy), and one choice per projection for `kiln inspect`.
+#[derive(Default)]
+struct Splits {
+    gathered: BTreeMap<usize, bool>,
+    copies: BTreeMap<usize, BTreeMap<WeightId, WeightId>>,
+    choices: Vec<ShardChoice>,
 }
 
 /// `layers.3.self_attn.q_a_proj.weight` -> `layers.*.self_attn.q_a_proj`.
@@ -411,4 +539,52 @@ fn choices(cfg: &ModelConfig, par: &Parallelism, graph: &Graph, slots: &[WeightS
         out = vec![c("everything", "one rank holds the whole model".into(), "--tp 1".into())];
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_whole_projections;
+    use crate::graph::{Graph, GraphInputs, Value};
+    use kiln_runtime::plan::{BufId, DType, Dim, Epilogue, GatherPair, KernelFamily, LinearPart, LinearWeights, Op, Step, WeightId};
+
+    /// q_a and kv_a split (values 1 and 2 their shares of values 3 and 4), one gather after both.
+    fn split_pair() -> Graph {
+        let value = |name: &str, n: usize| Value { name: name.into(), dtype: DType::BF16, dims: vec![Dim::Tokens, Dim::Fixed(n)] };
+        let linear = |weight: u32, rows: usize, out: u32| Step {
+            op: Op::Linear { input: BufId(0), weights: LinearWeights::Bf16 { weight: WeightId(weight) }, parts: vec![LinearPart { rows }], k: 64, epilogue: Epilogue::None, out: BufId(out) },
+            kernel: KernelFamily::LinearBf16,
+            launches: vec![],
+        };
+        let pairs = vec![GatherPair { input: BufId(1), out: BufId(3) }, GatherPair { input: BufId(2), out: BufId(4) }];
+        Graph {
+            values: vec![value("x", 64), value("q_a_local", 16), value("kv_a_local", 8), value("q_a", 32), value("kv_a", 16)],
+            weights: vec![],
+            steps: vec![linear(0, 16, 1), linear(1, 8, 2), Step { op: Op::AllGather { pairs }, kernel: KernelFamily::Collective, launches: vec![] }],
+            tensors: vec![],
+            inputs: GraphInputs { ids: 0, positions: 0, token_seq: 0, slots: 0, page_table: 0, logit_rows: 0 },
+            logits: 0,
+            ignored: vec![],
+        }
+    }
+
+    /// The op computing value `out` whole from weight `copy`.
+    fn whole(copy: u32, rows: usize, out: u32) -> Op {
+        Op::Linear { input: BufId(0), weights: LinearWeights::Bf16 { weight: WeightId(copy) }, parts: vec![LinearPart { rows }], k: 64, epilogue: Epilogue::None, out: BufId(out) }
+    }
+
+    #[test]
+    fn a_copied_projection_leaves_the_shared_gather_to_the_others() {
+        let g = with_whole_projections(&split_pair(), vec![(0, whole(2, 32, 3))]);
+        assert_eq!(g.steps[0].op, whole(2, 32, 3), "q_a computed whole into the gathered value");
+        assert_eq!(g.steps[2].op, Op::AllGather { pairs: vec![GatherPair { input: BufId(2), out: BufId(4) }] }, "kv_a still gathered");
+        assert_eq!(g.values[1].dims, vec![Dim::Fixed(0)], "q_a's share takes no memory");
+        assert_eq!(g.values[2].dims, split_pair().values[2].dims, "kv_a's share is untouched");
+    }
+
+    #[test]
+    fn a_gather_whose_projections_are_all_copied_goes() {
+        let g = with_whole_projections(&split_pair(), vec![(0, whole(2, 32, 3)), (1, whole(3, 16, 4))]);
+        assert_eq!(g.steps.len(), 2, "no gather left: {:?}", g.steps);
+        assert_eq!((g.steps[0].op.clone(), g.steps[1].op.clone()), (whole(2, 32, 3), whole(3, 16, 4)));
+    }
 }
