@@ -246,7 +246,8 @@ fn matrices(lw: &LinearWeights) -> Vec<WeightId> {
 /// `P2P_GATHER_PAIRS` buffers whose shares at the largest decode batch fit the P2P kernel, and
 /// pays only for its share of the transfer. A projection split this way must gather in a P2P
 /// kernel (its share of a row whole 16-byte chunks), since NCCL's 25 µs would cost more than any
-/// of them saves.
+/// of them saves. A split projection may also keep a whole copy for prefill ([`PrefillCopies`]),
+/// priced at the largest prefill chunk, whose gathers run on NCCL.
 fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> Splits {
     let k = &split.consts;
     let mut steps: BTreeMap<usize, bool> = BTreeMap::new();
@@ -320,7 +321,7 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> Split
                 PrefillCopies::Auto => chunk_gather_us >= COPY_MARGIN * whole_extra_us,
             };
         let copy_why = format!(
-            "; its gather at a {}-token prefill chunk {chunk_gather_us:.0} µs, computing it whole there {whole_extra_us:.0} µs more ({})",
+            "; at the largest prefill chunk ({} tokens) its gather takes {chunk_gather_us:.0} µs, computing it whole {whole_extra_us:.0} µs more ({})",
             split.prefill_chunk,
             match split.copies {
                 PrefillCopies::None => "--prefill-copies none".to_string(),
