@@ -268,10 +268,11 @@ fn verify_tiny_tp1_on_the_emulator() {
 }
 
 /// At TP 2 the prefill programs select their indexer lists across the ranks (each rank's rows
-/// against the CPU's, then the gathered lists).
+/// against the CPU's, then the gathered lists), decode splits every replicated projection
+/// behind all-gathers, and prefill computes them whole from their copies.
 #[test]
 fn verify_tiny_tp2_on_the_emulator() {
-    verify_tiny("sm_120a", "2", &["--sequence-parallel-indexer", "always"]);
+    verify_tiny("sm_120a", "2", &["--sequence-parallel-indexer", "always", "--split-projections", "all", "--prefill-copies", "all"]);
 }
 
 /// The sm_90a kernels (e2m1 without cvt, decoded f16 mma) step by step against the CPU. Fewer
