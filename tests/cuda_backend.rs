@@ -131,8 +131,7 @@ fn p2p_collectives_only_where_the_peers_pass_the_probe() {
     compile(&golden_ckpt(), 2, &[&flags[..], &["--split-projections", "all", "--sequence-parallel-indexer", "always"]].concat(), &art);
     let replicated = dir.join("tp2-replicated");
     compile(&golden_ckpt(), 2, &[&flags[..], &["--split-projections", "none", "--sequence-parallel-indexer", "never"]].concat(), &replicated);
-    // a prefill and two decode steps: each step's all-reduces are two-shot
-    let ids = "5,42,7";
+    let ids = "5,42,7,300,12,9";
     let mut outputs = Vec::new();
     for (env, want) in [
         (vec![], "the P2P kernel (all 2 GPU pairs passed the peer write-and-verify probe)"),

@@ -308,12 +308,12 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> Split
                 p2p.map_or(nccl, |p| p.min(nccl))
             }
         };
-        let lacking = (tp - 1) as f64 / tp as f64;
+        // the lacking rows' weight bytes are the ones the split saves at decode
         let flops_per_us = match weights {
             LinearWeights::Bf16 { .. } => k.bf16_pflops,
             LinearWeights::Nvfp4 { .. } => k.fp4_pflops,
         } * 1e9;
-        let whole_extra_us = lacking * (bytes as f64 / k.bytes_per_us() + 2.0 * chunk * (rows * inputs) as f64 / flops_per_us);
+        let whole_extra_us = saved_us + (tp - 1) as f64 / tp as f64 * 2.0 * chunk * (rows * inputs) as f64 / flops_per_us;
         let copy = chosen
             && match split.copies {
                 PrefillCopies::None => false,
