@@ -4,7 +4,8 @@
 //!   thinking on and off and held-out weather questions that must become the right `get_weather`
 //!   call (tests/server/test_demo_model.py; issue 12's bar: 95 % each);
 //! - on the PTX emulator (an `sm_120a --tp 2` compile, every step as its kernels) ten held-out
-//!   questions get the CPU backend's exact text;
+//!   questions get the CPU backend's exact text, with prompt-lookup drafts checked in its decode
+//!   steps (and `kiln run` with them writes the same replies on the CPU backend);
 //! - whole logit rows of the emulator against the CPU backend on a long tool-call conversation
 //!   (the DSA indexer drops tokens there), median and worst reported.
 //! Held-out questions are drawn by scripts/demo_model/data.py (the one definition of the split).
@@ -113,7 +114,9 @@ fn reply_tokens(port: u16, question: &str) -> Vec<(String, f64, Vec<(String, f64
 /// enough to swap two candidates within a few tenths of a nat (an earlier model parted at
 /// `57 - 8 = `: `4` -0.649 and `5` -0.742 on the CPU, the reverse on the emulator), so a failure
 /// prints both backends' margins at the first differing token: a near-tie there is numerics, a
-/// confident wrong token a broken kernel. Measured on the shipped model: ten of ten equal.
+/// confident wrong token a broken kernel. Measured on the shipped model: ten of ten equal. The
+/// emulator's server drafts by prompt lookup (`--speculative-ngram 2`), so its replies come from
+/// decode steps that also check drafts as rows of the same sequence, and must still be the CPU's.
 #[test]
 fn the_emulator_gives_the_cpu_answers() {
     let Some(python) = serve::python_with_openai() else { return };
@@ -121,6 +124,10 @@ fn the_emulator_gives_the_cpu_answers() {
     let start = |backend: &str| {
         let mut c = kiln();
         c.arg("serve").arg(&art).args(["--backend", backend, "--served-model-name", "m"]);
+        if backend == "emu" {
+            // drafts checked as rows of one sequence in a decode step of the plan's kernels
+            c.args(["--speculative-ngram", "2"]);
+        }
         serve::start(c, Duration::from_secs(120))
     };
     let (cpu_server, emu_server) = (start("cpu"), start("emu"));
@@ -149,6 +156,42 @@ fn the_emulator_gives_the_cpu_answers() {
     }
     // The CPU backend's own accuracy on these ten (95.5 % without thinking over 200).
     assert!(right >= 9, "only {right} of 10 held-out answers right on the sm_120a plan");
+    // the emulator's replies came from steps that also checked drafts, some of them accepted
+    let (status, metrics) = serve::http(emu_server.port, "GET", "/metrics", "");
+    assert_eq!(status, 200, "{metrics}");
+    let counter = |name: &str| metrics.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok()).unwrap_or_else(|| panic!("no {name} in {metrics}"));
+    let (drafted, accepted) = (counter("kiln_spec_draft_tokens_total"), counter("kiln_spec_accepted_tokens_total"));
+    eprintln!("emulator: {drafted} drafts checked, {accepted} accepted");
+    assert!(accepted > 0.0 && drafted > accepted, "{drafted} drafts, {accepted} accepted");
+}
+
+/// `kiln run` with prompt-lookup speculation (CPU backend) writes the reply it writes without,
+/// greedy and sampled, and the demo model's replies, which restate the question, accept drafts.
+#[test]
+fn speculative_decoding_keeps_the_reply_and_accepts_drafts() {
+    let art = compile("speculative", "cpu", 1);
+    let reply = |question: &str, sampling: &[&str], k: usize| {
+        let o = kiln()
+            .arg("run")
+            .arg(&art)
+            .args(["--chat", "--prompt", question, "--max-tokens", "120", "--speculative-ngram", &k.to_string()])
+            .args(sampling)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "kiln run failed:\n{err}");
+        let accepted = err.lines().find_map(|l| l.strip_prefix("[speculative decoding: ")?.split(", ").nth(1)?.split(' ').next()?.parse::<u64>().ok());
+        (String::from_utf8_lossy(&o.stdout).into_owned(), accepted)
+    };
+    let mut accepted = 0;
+    for (question, sampling) in [("What is 13+25?", &[][..]), ("What is 47+38?", &["--temperature", "0.8", "--seed", "5"][..])] {
+        let (plain, none) = reply(question, sampling, 0);
+        let (speculative, some) = reply(question, sampling, 3);
+        assert_eq!(none, None, "no speculation report without --speculative-ngram");
+        assert_eq!(speculative, plain, "{question} {sampling:?}");
+        accepted += some.expect("the speculation report");
+    }
+    assert!(accepted > 0, "the replies restate the question, yet no draft was accepted");
 }
 
 /// Relative L2 distance of two rows.

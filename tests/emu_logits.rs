@@ -1,7 +1,8 @@
 //! The whole model on the PTX emulator: a golden checkpoint compiled for sm_120a (TP 1 and 2) and
 //! for sm_90a (TP 1) runs every step as its emitted kernels (`--backend emu`), and its logits are
 //! compared with the CPU reference backend's on the same artifact, whole vocabulary rows, for a
-//! prefill and for decode steps (batch 1 and 2) over the KV cache the kernels wrote.
+//! prefill and for decode steps (batch 1 and 2, and two consecutive tokens of one sequence in one
+//! step, as speculative decoding checks a draft) over the KV cache the kernels wrote.
 //!
 //! TP 1 runs its prompt through a 64-token prefill program (the tiled tensor-core GEMMs), TP 2
 //! through a 32-token one (the GEMVs); decode programs use the GEMVs. The `nvfp4_flatcfg` golden
@@ -58,7 +59,8 @@ fn golden_ids(case: &str) -> (PathBuf, Vec<u32>) {
 
 /// Logit rows of one run: a prefill of `ids[..split]` (all rows), then the rest decoded one at a
 /// time on sequence A while sequence B (a copy of the prompt's first half) decodes beside it in
-/// the same batch-2 steps.
+/// the same batch-2 steps, then a step of two consecutive tokens of B (as speculative decoding
+/// checks a draft: the second row attends to the first's KV, written in the same step).
 fn run(art: &Path, backend: BackendKind, ids: &[u32], split: usize) -> Vec<Vec<f32>> {
     let opts = SessionOptions { backend, ..Default::default() };
     let mut s = Session::open(art, None, opts).unwrap_or_else(|e| panic!("{backend:?}: {e}"));
@@ -74,6 +76,9 @@ fn run(art: &Path, backend: BackendKind, ids: &[u32], split: usize) -> Vec<Vec<f
         let step = s.decode(&[(a, id), (b, ids[(split / 2 + i) % ids.len()])]).unwrap().to_vec();
         rows.extend(step.chunks_exact(vocab).map(<[f32]>::to_vec));
     }
+    // a speculative step: two consecutive tokens of one sequence in one batch-2 step
+    let step = s.decode(&[(b, ids[0]), (b, ids[1])]).unwrap().to_vec();
+    rows.extend(step.chunks_exact(vocab).map(<[f32]>::to_vec));
     rows
 }
 

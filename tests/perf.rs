@@ -511,7 +511,7 @@ fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
     for c in ["1.792 TB/s x 0.85", "NVFP4 mma 1.6 PFLOP/s", "BF16 mma 0.4 PFLOP/s", "FP32 FMA 60 TFLOP/s", "188 SMs", "1.5 µs per kernel node", "25 µs + bytes / 40 GB/s", "8 µs + (ranks - 1) x part / 50 GB/s, part = an all-reduce's bytes or an all-gather's share per rank, up to 64 KiB", "not a cache for weights"] {
         assert!(at(c) < at("  decode ("), "{c}");
     }
-    assert!(at("  decode (") < at("  prefill (") && at("  prefill (") < at("top 10 launches of decode_1"));
+    assert!(at("  decode (") < at("  prefill (") && at("  prefill (") < at("speculative decoding at context 8k") && at("speculative decoding at context 8k") < at("top 10 launches of decode_1"));
     assert!(secs < 10.0, "inspect --perf of the GLM-5 plan took {secs:.1} s");
 
     // --json: the summary as without --perf, plus `perf`
@@ -603,6 +603,35 @@ fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
     assert!(row(64, 2048)["tokens_per_s"].as_f64() > row(1, 2048)["tokens_per_s"].as_f64());
     // batch 1 reads at least this GPU's share of the attention weights and its KV rows
     assert!(row(1, 8192)["bytes_per_gpu"].as_f64().unwrap() > 5e9);
+    // speculative decoding: a step checking k drafts for each of b sequences is the decode step
+    // of b (1 + k) rows (the table's where that is a bucket), and a sequence gains
+    // 1 + a + ... + a^k tokens from it at per-draft acceptance a
+    let speculative = perf["speculative"].as_array().unwrap();
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} in {v}"));
+    let mut at_buckets = 0;
+    for s in speculative {
+        let (batch, k, rows, c) = (s["batch"].as_u64().unwrap(), s["drafts"].as_u64().unwrap(), s["rows"].as_u64().unwrap(), s["context"].as_u64().unwrap());
+        assert_eq!(rows, batch * (1 + k), "{s}");
+        assert!(rows <= 64 && (1..=3).contains(&k), "{s}");
+        assert_eq!(f(s, "plain_step_ms_p2p"), f(row(batch, c), "step_ms_p2p"), "{s}");
+        if decode.iter().any(|d| d["batch"] == rows) {
+            assert_eq!((f(s, "step_ms"), f(s, "step_ms_p2p")), (f(row(rows, c), "step_ms"), f(row(rows, c), "step_ms_p2p")), "{s}");
+            at_buckets += 1;
+        }
+        let gain = |a: f64| (0..=k).map(|i| a.powi(i as i32)).sum::<f64>();
+        for (a, tps) in [0.5, 0.7, 0.9].iter().zip(s["tokens_per_s_p2p"].as_array().unwrap()) {
+            let want = batch as f64 * gain(*a) / f(s, "step_ms_p2p") * 1e3;
+            assert!((tps.as_f64().unwrap() - want).abs() < 1e-9 * want, "{s}");
+        }
+        let ratio = f(s, "step_ms_p2p") / f(s, "plain_step_ms_p2p");
+        match s["break_even_acceptance"].as_f64() {
+            Some(a) => assert!((gain(a) - ratio).abs() < 1e-9 && (0.0..=1.0).contains(&a), "{s}"),
+            None => assert!(ratio > (k + 1) as f64, "{s}"),
+        }
+    }
+    // batches 1 .. 32 with the drafts whose rows a decode program holds, at four contexts
+    assert_eq!(speculative.len(), 4 * (3 + 3 + 3 + 3 + 3 + 1), "{speculative:?}");
+    assert!(at_buckets >= 4 * 8);
     let prefill = perf["prefill"].as_array().unwrap();
     assert!(prefill.iter().any(|p| p["chunk"] == 8192 && p["prefix"] == 0));
     assert!(prefill.iter().all(|p| p["step_ms"].as_f64().unwrap() > 0.0 && p["tokens_per_s"].as_f64().unwrap() > 0.0));

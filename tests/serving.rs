@@ -1,11 +1,11 @@
 //! The serving engine over the real tiny model (CPU backend): KV grown on demand with
-//! preemption and recompute, and the prefix cache, each held against the same requests run
-//! alone on an engine with room to spare (greedy decoding, whole token sequences compared).
+//! preemption and recompute, the prefix cache and speculative decoding, each held against the
+//! same requests run alone on an engine with room to spare (whole token sequences compared).
 
-use kiln_engine::scheduler::{start, EngineHandle, EngineOptions, Event, FinishReason, GenerationRequest};
+use kiln_engine::scheduler::{start, EngineHandle, EngineOptions, Event, FinishReason, GenerationRequest, NgramSpeculation};
 use kiln_runtime::cpu::CpuOptions;
 use kiln_runtime::plan::AttentionForm;
-use kiln_runtime::session::{Runner, Session, SessionOptions};
+use kiln_runtime::session::{LogitRows, Runner, Session, SessionOptions};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::Ordering;
@@ -85,8 +85,9 @@ fn eight_unbounded_requests_on_a_small_pool_are_preempted_and_finish_unchanged()
 
     // Together on a 2,048-token pool: eight requests that each grow to 1,024 tokens cannot all
     // hold their pages, so the youngest are preempted and recomputed by prefill on resume.
-    for prefix_cache in [false, true] {
-        let small = engine(&art, EngineOptions { max_total_tokens: Some(2048), prefix_cache, ..EngineOptions::default() });
+    // (and with prompt-lookup drafts, whose pages come only from free ones on this dry pool)
+    for (prefix_cache, speculation) in [(false, None), (true, None), (true, Some(NgramSpeculation::new(3)))] {
+        let small = engine(&art, EngineOptions { max_total_tokens: Some(2048), prefix_cache, speculation, ..EngineOptions::default() });
         assert_eq!(small.limits.total_pages * small.limits.page_size, 2048);
         let rxs: Vec<_> = prompts.iter().map(|p| submit(&small, unbounded(p.clone(), context))).collect();
         for (i, rx) in rxs.into_iter().enumerate() {
@@ -94,10 +95,12 @@ fn eight_unbounded_requests_on_a_small_pool_are_preempted_and_finish_unchanged()
             assert_eq!(o.reason, FinishReason::Length);
             assert_eq!(prompts[i].len() + o.tokens.len(), context, "request {i} ends at the context limit");
             let first_diff = o.tokens.iter().zip(&alone[i]).position(|(a, b)| a != b);
-            assert_eq!(first_diff, None, "request {i} (prefix cache {prefix_cache}) differs from running alone");
+            assert_eq!(first_diff, None, "request {i} (prefix cache {prefix_cache}, speculation {speculation:?}) differs from running alone");
         }
         let preemptions = small.stats.preemptions.load(Ordering::Relaxed);
-        eprintln!("prefix cache {prefix_cache}: {preemptions} preemptions");
+        let drafts = small.stats.draft_tokens.load(Ordering::Relaxed);
+        eprintln!("prefix cache {prefix_cache}: {preemptions} preemptions, {drafts} drafts");
+        assert_eq!(drafts > 0, speculation.is_some());
         assert!(preemptions >= 4, "8 x 1,024 tokens on a 2,048-token pool must preempt, got {preemptions}");
         // The last Finished event can arrive just before the engine releases that sequence.
         let t = std::time::Instant::now();
@@ -159,4 +162,62 @@ fn prefill_and_decode_agree_bit_for_bit_in_one_attention_form() {
         let differ = p.chunks(vocab).zip(d.chunks(vocab)).filter(|(a, b)| a != b).count();
         assert_eq!(differ, 0, "{form:?}: {differ} of {} rows differ between prefill and decode", ids.len());
     }
+}
+
+/// Speculative decoding feeds a sequence's drafts as extra rows of its decode step. On the CPU
+/// backend a row's logits do not depend on the other rows, so a step of consecutive tokens of
+/// one sequence (beside another sequence) must give, bit for bit, the logits of one token a
+/// step; the prompt is longer than the tiny model's `index_topk`, so the indexer selects.
+#[test]
+fn a_decode_step_of_one_sequences_consecutive_tokens_equals_one_token_a_step() {
+    let art = artifact("rows");
+    let (a_ids, b_ids) = (prompt(300, 4), prompt(40, 5));
+    let next = [17u32, 201, 5, 96];
+    let open = || Session::open(&art, None, SessionOptions::default()).unwrap();
+    let mut s = open();
+    assert!(a_ids.len() > s.plan().model.index_topk, "the prompt must pass index_topk");
+    let (a, b) = (s.new_sequence(), s.new_sequence());
+    s.prefill(a, &a_ids, LogitRows::Last).unwrap();
+    s.prefill(b, &b_ids, LogitRows::Last).unwrap();
+    let batch: Vec<_> = [(a, next[0]), (b, next[3]), (a, next[1]), (a, next[2])].into();
+    let together = s.decode(&batch).unwrap().to_vec();
+    assert_eq!((s.len(a), s.len(b)), (Some(303), Some(41)));
+
+    let mut one = open();
+    let (a, b) = (one.new_sequence(), one.new_sequence());
+    one.prefill(a, &a_ids, LogitRows::Last).unwrap();
+    one.prefill(b, &b_ids, LogitRows::Last).unwrap();
+    let vocab = one.vocab_size();
+    let first = one.decode(&[(a, next[0]), (b, next[3])]).unwrap().to_vec();
+    let second = one.decode(&[(a, next[1])]).unwrap().to_vec();
+    let third = one.decode(&[(a, next[2])]).unwrap().to_vec();
+    let rows = |v: &[f32], i: usize| v[i * vocab..(i + 1) * vocab].to_vec();
+    assert!(rows(&together, 0) == rows(&first, 0), "sequence a, first token");
+    assert!(rows(&together, 1) == rows(&first, 1), "sequence b");
+    assert!(rows(&together, 2) == rows(&second, 0), "sequence a, second token");
+    assert!(rows(&together, 3) == rows(&third, 0), "sequence a, third token");
+}
+
+/// The engine with prompt-lookup speculation serves the tiny model's output unchanged, greedy
+/// and sampled (a prompt that repeats a phrase, so drafts are made; this random model seldom
+/// repeats it, so they show the rejections; `demo_model` shows acceptances).
+#[test]
+fn speculative_decoding_serves_what_plain_decoding_serves() {
+    let art = artifact("speculative");
+    let phrase = prompt(9, 6);
+    let repetitive: Vec<u32> = phrase.iter().cycle().take(9 * 12 + 4).copied().collect();
+    let requests = || {
+        [(0.0, 0u64), (0.8, 7), (1.0, 11)].map(|(temperature, seed)| {
+            let sampling = kiln_engine::sampling::SamplingParams { temperature, seed, ..Default::default() };
+            GenerationRequest { sampling, ignore_eos: true, ..GenerationRequest::new(repetitive.clone(), 48) }
+        })
+    };
+    let plain = engine(&art, EngineOptions::default());
+    let want: Vec<Vec<u32>> = requests().into_iter().map(|r| outcome(submit(&plain, r)).tokens).collect();
+    let spec = engine(&art, EngineOptions { speculation: Some(NgramSpeculation::new(4)), ..EngineOptions::default() });
+    let got: Vec<Vec<u32>> = requests().into_iter().map(|r| outcome(submit(&spec, r)).tokens).collect();
+    let (drafted, accepted) = (spec.stats.draft_tokens.load(Ordering::Relaxed), spec.stats.accepted_draft_tokens.load(Ordering::Relaxed));
+    eprintln!("{drafted} drafts, {accepted} accepted");
+    assert_eq!(got, want);
+    assert!(drafted > 0, "no drafts were made");
 }

@@ -1,6 +1,7 @@
 //! The seam between the engine and a backend: one forward pass over a prefill chunk of one
-//! sequence, or over one decode token for each of several sequences. The engine owns the KV page
-//! allocation and passes each sequence's page table.
+//! sequence, or over decode tokens of several sequences (one each, or a speculative step's
+//! consecutive tokens of one). The engine owns the KV page allocation and passes each
+//! sequence's page table.
 
 use kiln_runtime::session::{DecodeRow, LogitRows, Runner};
 
@@ -29,7 +30,9 @@ pub trait Forward: Send {
     /// Appends `tokens` at positions `start..` of the sequence that owns `pages` and returns the
     /// logits of the last one (`vocab_size` values).
     fn prefill(&mut self, pages: &[u32], start: usize, tokens: &[u32]) -> Result<Vec<f32>, String>;
-    /// One token per sequence; returns `[items.len(), vocab_size]` logits, row-major.
+    /// One token per item; returns `[items.len(), vocab_size]` logits, row-major. Items of one
+    /// sequence at consecutive positions (a speculative step's drafts) each see the positions up
+    /// to their own, as if decoded one after the other.
     fn decode(&mut self, items: &[DecodeItem<'_>]) -> Result<Vec<f32>, String>;
     /// Why the backend can serve nothing any more (a GPU fault), once that has happened.
     fn failure(&self) -> Option<String> {

@@ -11,6 +11,7 @@ pub mod request;
 pub mod sampling;
 pub mod scheduler;
 pub mod sequence;
+pub mod speculation;
 pub mod stop;
 pub mod tokenizer;
 pub mod tool_calls;

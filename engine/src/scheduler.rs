@@ -14,6 +14,7 @@ use crate::forward::{DecodeItem, Forward};
 use crate::pages::PagePool;
 pub use crate::request::{Event, EventSink, FinishReason, GenerationRequest, Rejected, TokenConstraint};
 use crate::sequence::{Phase, Sequence};
+pub use crate::speculation::NgramSpeculation;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -40,6 +41,10 @@ pub struct EngineStats {
     pub prefix_cache_evictions: AtomicU64,
     /// Requests failed because their logits held NaN or Inf.
     pub non_finite: AtomicU64,
+    /// Draft tokens run through the model beside their sequence's token (speculative decoding).
+    pub draft_tokens: AtomicU64,
+    /// Draft tokens the model chose itself, each a token the step yielded beyond the first.
+    pub accepted_draft_tokens: AtomicU64,
     /// Set when the engine thread has ended (including by a panic): nothing will be served.
     pub stopped: std::sync::atomic::AtomicBool,
     /// Set when the backend failed for good (a GPU fault): every request fails, /health is 503.
@@ -79,11 +84,14 @@ pub struct EngineOptions {
     /// Caps the KV pool at this many tokens (SGLang's `--max-total-tokens`); None: the plan's.
     pub max_total_tokens: Option<usize>,
     pub prefix_cache: bool,
+    /// Speculative decoding with drafts from each sequence's own text, in the rows a decode
+    /// batch has to spare; None: one token per sequence and step.
+    pub speculation: Option<NgramSpeculation>,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { max_waiting: 256, max_total_tokens: None, prefix_cache: true }
+        EngineOptions { max_waiting: 256, max_total_tokens: None, prefix_cache: true, speculation: None }
     }
 }
 
@@ -173,7 +181,7 @@ pub fn start(model: Box<dyn Forward>, options: EngineOptions) -> EngineHandle {
         .name("kiln-engine".into())
         .spawn(move || {
             let _guard = StoppedOnDrop(thread_stats.clone());
-            Engine::new(model, thread_stats, limits, options.prefix_cache).run(rx)
+            Engine::new(model, thread_stats, limits, options).run(rx)
         })
         .expect("spawn engine thread");
     EngineHandle { tx, stats, limits, max_waiting: options.max_waiting }
@@ -190,12 +198,13 @@ struct Engine {
     /// the first preempted.
     running: Vec<Sequence>,
     arrivals: u64,
+    speculation: Option<NgramSpeculation>,
 }
 
 impl Engine {
-    fn new(model: Box<dyn Forward>, stats: Arc<EngineStats>, limits: Limits, prefix_cache: bool) -> Engine {
-        let pool = PagePool::new(limits.total_pages, limits.page_size, prefix_cache);
-        Engine { model, stats, limits, pool, waiting: VecDeque::new(), running: Vec::new(), arrivals: 0 }
+    fn new(model: Box<dyn Forward>, stats: Arc<EngineStats>, limits: Limits, options: EngineOptions) -> Engine {
+        let pool = PagePool::new(limits.total_pages, limits.page_size, options.prefix_cache);
+        Engine { model, stats, limits, pool, waiting: VecDeque::new(), running: Vec::new(), arrivals: 0, speculation: options.speculation }
     }
 
     fn run(mut self, rx: mpsc::Receiver<Submission>) {
@@ -364,7 +373,8 @@ impl Engine {
         self.waiting.push_front(s);
     }
 
-    /// One token for every decoding sequence, in plan-sized batches.
+    /// One token for every decoding sequence, in plan-sized batches (with speculation, up to
+    /// one more for each of its drafts the model chooses).
     fn decode_step(&mut self) {
         self.grow_pages();
         let mut ready: Vec<u64> = self.running.iter().filter(|s| s.phase == Phase::Decode).map(|s| s.arrival).collect();
@@ -375,27 +385,28 @@ impl Engine {
         let vocab = self.limits.vocab_size;
         while !ready.is_empty() {
             let batch: Vec<u64> = ready.drain(..batch_size.min(ready.len())).collect();
+            let drafts = self.drafts(&batch, batch_size);
             let index = |running: &[Sequence], a: u64| running.iter().position(|s| s.arrival == a).expect("decoding sequences stay running during a step");
+            // a sequence's rows: its token at `cached`, then each draft at the next position
             let items: Vec<DecodeItem> = batch
                 .iter()
-                .map(|&a| {
+                .zip(&drafts)
+                .flat_map(|(&a, draft)| {
                     let s = &self.running[index(&self.running, a)];
-                    DecodeItem { pages: &s.pages, pos: s.cached, token: s.tokens[s.cached] }
+                    std::iter::once(s.tokens[s.cached])
+                        .chain(draft.iter().copied())
+                        .enumerate()
+                        .map(move |(j, token)| DecodeItem { pages: &s.pages, pos: s.cached + j, token })
                 })
                 .collect();
             let result = self.model.decode(&items);
             match result {
                 Ok(logits) => {
-                    for (row, &a) in batch.iter().enumerate() {
-                        let i = index(&self.running, a);
-                        let row = &logits[row * vocab..(row + 1) * vocab];
-                        if self.non_finite(i, row) {
-                            continue;
-                        }
-                        let s = &mut self.running[i];
-                        s.cached += 1;
-                        s.register_full_pages(&mut self.pool);
-                        self.next_token(i, row);
+                    let mut first = 0;
+                    for (&a, draft) in batch.iter().zip(&drafts) {
+                        let rows = 1 + draft.len();
+                        self.accept(a, draft, &logits[first * vocab..(first + rows) * vocab]);
+                        first += rows;
                     }
                 }
                 Err(e) => {
@@ -407,6 +418,67 @@ impl Engine {
                     }
                 }
             }
+        }
+    }
+
+    /// The drafts of a decode batch's sequences, oldest first, while the batch has rows to
+    /// spare (`rows` in all: speculation never makes a step run another launch of the plan) and
+    /// the draft positions find free pages (a guess never evicts a cached page or preempts).
+    /// A sequence drafts at most one token fewer than it may still emit.
+    fn drafts(&mut self, batch: &[u64], rows: usize) -> Vec<Vec<u32>> {
+        let Some(spec) = self.speculation else { return vec![Vec::new(); batch.len()] };
+        let mut spare = rows.saturating_sub(batch.len());
+        let ps = self.pool.page_size();
+        let mut out = Vec::with_capacity(batch.len());
+        for &a in batch {
+            let Some(i) = self.running.iter().position(|s| s.arrival == a) else {
+                out.push(Vec::new());
+                continue;
+            };
+            let s = &self.running[i];
+            let emits = s.limit.saturating_sub(s.tokens.len()).min(s.request.max_tokens.saturating_sub(s.generated()));
+            let free = self.pool.available() - self.pool.cached_idle();
+            // positions up to the pages it holds and the free ones
+            let fits = ((s.pages.len() + free) * ps).saturating_sub(s.cached + 1);
+            let mut draft = spec.propose(&s.tokens, spare.min(emits.saturating_sub(1)).min(fits));
+            let need = (s.cached + draft.len()) / ps + 1;
+            let more = need.saturating_sub(s.pages.len());
+            if more > 0 {
+                match self.pool.alloc(more) {
+                    Some(pages) => self.running[i].pages.extend(pages),
+                    None => draft.clear(),
+                }
+            }
+            spare -= draft.len();
+            self.stats.draft_tokens.fetch_add(draft.len() as u64, Ordering::Relaxed);
+            out.push(draft);
+        }
+        out
+    }
+
+    /// Sequence `a`'s logit rows of a step, in order: each chooses the next token as a step of
+    /// its own would (penalties, constraint, sampler state and all), and the next row counts
+    /// only while the token chosen is the draft that row was fed. A draft the model would not
+    /// have chosen ends the sequence's step there; the KV its rows wrote past the last accepted
+    /// position is overwritten by the tokens that follow.
+    fn accept(&mut self, a: u64, draft: &[u32], logits: &[f32]) {
+        let vocab = self.limits.vocab_size;
+        for (j, row) in logits.chunks_exact(vocab).enumerate() {
+            let Some(i) = self.running.iter().position(|s| s.arrival == a) else { return };
+            if self.non_finite(i, row) {
+                return;
+            }
+            let s = &mut self.running[i];
+            s.cached += 1;
+            s.register_full_pages(&mut self.pool);
+            if !self.next_token(i, row) {
+                return;
+            }
+            let Some(&fed) = draft.get(j) else { return };
+            if self.running[i].tokens.last() != Some(&fed) {
+                return;
+            }
+            self.stats.accepted_draft_tokens.fetch_add(1, Ordering::Relaxed);
         }
     }
 

@@ -355,7 +355,7 @@ fn a_dry_pool_preempts_the_youngest_and_recomputes_it_unchanged() {
     // pages: they cannot all hold theirs, so the younger ones are preempted and resumed by
     // prefill, with and without the prefix cache keeping their pages meanwhile.
     for prefix_cache in [true, false] {
-        let engine = start(fake(6), EngineOptions { max_waiting: 10, max_total_tokens: None, prefix_cache });
+        let engine = start(fake(6), EngineOptions { max_waiting: 10, max_total_tokens: None, prefix_cache, ..EngineOptions::default() });
         assert_eq!(engine.limits.max_context, 24);
         let prompts: Vec<Vec<u32>> = (0..3u32).map(|r| (0..5).map(|i| (r * 11 + i * 3 + 1) % VOCAB as u32).collect()).collect();
         for (p, (toks, reason)) in prompts.iter().zip(run_all(&engine, &prompts, 1000)) {
@@ -369,7 +369,7 @@ fn a_dry_pool_preempts_the_youngest_and_recomputes_it_unchanged() {
 
 #[test]
 fn max_total_tokens_caps_the_pool_and_the_context() {
-    let engine = start(fake(40), EngineOptions { max_waiting: 10, max_total_tokens: Some(30), prefix_cache: true });
+    let engine = start(fake(40), EngineOptions { max_waiting: 10, max_total_tokens: Some(30), prefix_cache: true, ..EngineOptions::default() });
     assert_eq!((engine.limits.total_pages, engine.limits.max_context), (7, 28));
     assert_eq!(engine.stats.kv_pages_total.load(Ordering::SeqCst), 7);
 }
@@ -417,7 +417,7 @@ fn the_prefix_cache_serves_repeated_and_extended_prompts() {
     assert!(engine.stats.kv_pages_cached.load(Ordering::SeqCst) > 0, "idle pages stay cached");
 
     // Disabled: nothing is served from the cache, the output is the same.
-    let engine = start(fake(40), EngineOptions { max_waiting: 10, max_total_tokens: None, prefix_cache: false });
+    let engine = start(fake(40), EngineOptions { max_waiting: 10, max_total_tokens: None, prefix_cache: false, ..EngineOptions::default() });
     for _ in 0..2 {
         let (sink, rx) = channel_sink();
         engine.submit(request(prompt.clone(), 6), sink).unwrap();

@@ -321,7 +321,9 @@ impl Runner {
         Ok(&self.out)
     }
 
-    /// One token for each row (sequences must be distinct); returns `[rows.len(), vocab]`.
+    /// One token for each row; returns `[rows.len(), vocab]`. Rows may be consecutive tokens of
+    /// one sequence (speculative decoding checks drafts so): every row's KV is written before any
+    /// row attends, and each row attends only to positions up to its own.
     pub fn decode(&mut self, batch: &[DecodeRow<'_>]) -> Result<&[f32], RuntimeError> {
         if batch.is_empty() {
             return Err(RuntimeError::input("decode batch", "no sequences"));
@@ -485,28 +487,30 @@ impl Session {
         Ok(out)
     }
 
-    /// One new token for each `(sequence, id)`; returns `[batch.len(), vocab]` logits.
+    /// One new token for each `(sequence, id)`; returns `[batch.len(), vocab]` logits. A
+    /// sequence may appear more than once: its ids take its next positions in batch order, as
+    /// one token after the other would.
     pub fn decode(&mut self, batch: &[(SeqId, u32)]) -> Result<&[f32], RuntimeError> {
         if batch.is_empty() {
             return Err(RuntimeError::input("decode batch", "no sequences"));
         }
+        // each row's position: its sequence's length plus its earlier rows in the batch
+        let mut positions = Vec::with_capacity(batch.len());
         for (i, &(seq, _)) in batch.iter().enumerate() {
-            if batch[..i].iter().any(|&(other, _)| other == seq) {
-                return Err(RuntimeError::input("decode batch", format!("sequence {} appears twice", seq.0)));
-            }
-            self.seq(seq)?;
+            let earlier = batch[..i].iter().filter(|&&(other, _)| other == seq).count();
+            positions.push(self.seq(seq)?.len + earlier);
         }
         let ids: Vec<u32> = batch.iter().map(|&(_, id)| id).collect();
         self.runner.check_ids(&ids)?;
-        for &(seq, _) in batch {
-            let len = self.seq(seq)?.len;
-            self.reserve(seq, len + 1)?;
+        for (&(seq, _), &pos) in batch.iter().zip(&positions) {
+            self.reserve(seq, pos + 1)?;
         }
         let rows: Vec<DecodeRow> = batch
             .iter()
-            .map(|&(seq, token)| {
+            .zip(&positions)
+            .map(|(&(seq, token), &pos)| {
                 let s = self.seqs[seq.0 as usize].as_ref().expect("checked above");
-                DecodeRow { pages: &s.pages, pos: s.len, token }
+                DecodeRow { pages: &s.pages, pos, token }
             })
             .collect();
         self.runner.decode(&rows)?;

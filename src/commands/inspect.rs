@@ -24,7 +24,9 @@ pub struct Args {
 pub struct PerfArgs {
     /// Predict the step time, tokens/s and the longest launches of the decode and prefill
     /// programs from each launch's bytes and FLOPs (`max(bytes / bandwidth, flops / rate) + launch`)
-    /// and each collective's size. Every figure is a prediction.
+    /// and each collective's size, and what speculative decoding would make of the decode programs
+    /// (k drafts a sequence as k more rows: the step, and tokens/s by acceptance). Every figure is a
+    /// prediction.
     #[arg(long)]
     perf: bool,
     /// DRAM bandwidth per GPU, TB/s [default: 1.792 for sm_120a; the target's for sm_90a].
@@ -291,6 +293,7 @@ fn perf_text(out: &mut String, r: &perf::Report) -> std::fmt::Result {
     for p in &r.prefill {
         step_row(out, p.chunk, &p.step, 0)?;
     }
+    speculative(out, r)?;
     let t = &r.top;
     writeln!(out)?;
     writeln!(
@@ -320,6 +323,31 @@ fn perf_text(out: &mut String, r: &perf::Report) -> std::fmt::Result {
             l.bound,
             l.kernel,
             l.op
+        )?;
+    }
+    Ok(())
+}
+
+/// The decode steps speculative decoding would run, at the context of the detailed step (or the
+/// nearest below it; `--json` has every context).
+fn speculative(out: &mut String, r: &perf::Report) -> std::fmt::Result {
+    let contexts = || r.speculative.iter().map(|s| s.context);
+    let Some(at) = contexts().filter(|&c| c <= r.top.context).max().or_else(|| contexts().min()) else { return Ok(()) };
+    let rates = perf::speculative::ACCEPTANCE.map(|a| format!("a={a}"));
+    writeln!(out)?;
+    writeln!(
+        out,
+        "  speculative decoding at context {} (predicted, P2P; k drafts a sequence checked as k more decode rows; each accepted with probability a once those before it were, a step gains 1 + a + ... + a^k tokens a sequence; drafts free, as prompt lookup's are: a draft model's steps would add)",
+        context(at)
+    )?;
+    writeln!(out, "    {:>5} {:>2} {:>5} {:>8} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9}", "batch", "k", "rows", "plain ms", "step ms", "pays from", rates[0], rates[1], rates[2], "all")?;
+    for s in r.speculative.iter().filter(|s| s.context == at) {
+        let pays = s.break_even_acceptance.map_or("never".to_string(), |a| format!("a={a:.2}"));
+        let t = &s.tokens_per_s_p2p;
+        writeln!(
+            out,
+            "    {:>5} {:>2} {:>5} {:>8.2} {:>8.2} {:>10} {:>9.1} {:>9.1} {:>9.1} {:>9.1}",
+            s.batch, s.drafts, s.rows, s.plain_step_ms_p2p, s.step_ms_p2p, pays, t[0], t[1], t[2], s.tokens_per_s_p2p_all_accepted
         )?;
     }
     Ok(())

@@ -31,3 +31,8 @@ pub fn backend_kind(name: &str) -> anyhow::Result<BackendKind> {
         other => anyhow::bail!("--backend {other:?}: expected cpu, emu or cuda"),
     }
 }
+
+/// `--speculative-ngram K`: prompt-lookup drafts of up to K tokens (0: none).
+pub fn speculation(max_draft: usize) -> Option<kiln_engine::speculation::NgramSpeculation> {
+    (max_draft > 0).then(|| kiln_engine::speculation::NgramSpeculation::new(max_draft))
+}

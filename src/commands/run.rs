@@ -7,6 +7,7 @@ use kiln_engine::tokenizer::{StreamDecoder, Tokenizer};
 use kiln_engine::tool_calls::{OutputDelta, OutputParser};
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 /// Generate text from a prompt, streaming tokens to stdout; prints tokens/s at the end.
@@ -47,6 +48,11 @@ pub struct Args {
     /// against the plan first; `kiln doctor` tells what a machine has).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "emu", "cuda"])]
     pub backend: String,
+    /// Speculative decoding from the text itself (as `kiln serve --speculative-ngram`): up to K
+    /// draft tokens a step from what followed the last 2 to 4 tokens earlier, checked by the
+    /// model in the same decode step; the output is unchanged. 0: off.
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    pub speculative_ngram: usize,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -87,7 +93,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     // The same engine `kiln serve` uses, with one request.
-    let engine = scheduler::start(Box::new(model), scheduler::EngineOptions { max_waiting: 1, ..Default::default() });
+    let engine = scheduler::start(Box::new(model), scheduler::EngineOptions { max_waiting: 1, speculation: super::speculation(a.speculative_ngram), ..Default::default() });
     let (tx, rx) = std::sync::mpsc::channel();
     let request = GenerationRequest { sampling: params, stop_ids: eos, ..GenerationRequest::new(prompt.clone(), a.max_tokens) };
     let start = Instant::now();
@@ -129,6 +135,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         prompt.len() as f64 / prefill_s.max(1e-9),
         generated.saturating_sub(1) as f64 / decode_s.max(1e-9)
     );
+    if a.speculative_ngram > 0 {
+        let (drafted, accepted) = (engine.stats.draft_tokens.load(Ordering::Relaxed), engine.stats.accepted_draft_tokens.load(Ordering::Relaxed));
+        eprintln!("[speculative decoding: {drafted} draft tokens checked, {accepted} accepted]");
+    }
     Ok(())
 }
 

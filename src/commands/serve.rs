@@ -53,6 +53,14 @@ pub struct Args {
     /// (automatic prefix caching is on by default).
     #[arg(long)]
     disable_prefix_cache: bool,
+    /// Speculative decoding from the text itself (prompt lookup; vLLM's `ngram`): up to K draft
+    /// tokens per request and step, what followed the latest earlier occurrence of its last 2 to
+    /// 4 tokens. The model checks them in the same decode step, in rows its batch has to spare,
+    /// and keeps each it would have chosen anyway, so the output is unchanged (sampling
+    /// included) while a step may yield up to K + 1 tokens. Pays where output repeats its
+    /// context (code edits, quotes, structured data); every draft is a decode row. 0: off.
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    speculative_ngram: usize,
     /// Seconds a client has to send a request head; also how long an idle keep-alive connection
     /// stays open. A slow or idle client is disconnected after it.
     #[arg(long, default_value_t = 30)]
@@ -83,7 +91,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let state = AppState::new(name, a.api_key.clone(), a.enable_test_hooks);
     let artifact = a.artifact.clone();
     let check_weights = a.check_weights;
-    let options = scheduler::EngineOptions { max_waiting: a.max_waiting, max_total_tokens: a.max_total_tokens, prefix_cache: !a.disable_prefix_cache };
+    let options = scheduler::EngineOptions {
+        max_waiting: a.max_waiting,
+        max_total_tokens: a.max_total_tokens,
+        prefix_cache: !a.disable_prefix_cache,
+        speculation: super::speculation(a.speculative_ngram),
+    };
     if a.max_total_tokens == Some(0) {
         anyhow::bail!("--max-total-tokens must be at least one KV page ({} tokens)", plan.memory.kv.page_size);
     }

@@ -71,6 +71,8 @@ fn engine_snapshot(e: &EngineStats) -> Registry {
     r.register("kiln_prefix_cache_evictions", "Cached KV pages evicted to make room.", count(&e.prefix_cache_evictions));
     r.register("kiln_non_finite_logits", "Requests failed because the model produced NaN or Inf logits.", count(&e.non_finite));
     r.register("kiln_preemptions", "Running requests preempted to free KV pages (recomputed on resume).", count(&e.preemptions));
+    r.register("kiln_spec_draft_tokens", "Speculative draft tokens the model checked.", count(&e.draft_tokens));
+    r.register("kiln_spec_accepted_tokens", "Speculative draft tokens the model would have chosen (extra tokens its steps yielded).", count(&e.accepted_draft_tokens));
     r
 }
 
@@ -92,6 +94,8 @@ mod tests {
         }
         let e = EngineStats::default();
         e.generation_tokens.store(42, Ordering::Relaxed);
+        e.draft_tokens.store(9, Ordering::Relaxed);
+        e.accepted_draft_tokens.store(5, Ordering::Relaxed);
         e.kv_pages_used.store(3, Ordering::SeqCst);
         e.kv_pages_total.store(12, Ordering::SeqCst);
         let text = m.render(Some(&e));
@@ -99,6 +103,8 @@ mod tests {
         assert_eq!(sample(&text, "kiln_requests_failed_total"), Some(0.0));
         assert_eq!(sample(&text, "kiln_generation_tokens_total"), Some(42.0));
         assert_eq!(sample(&text, "kiln_kv_cache_pages_used"), Some(3.0));
+        assert_eq!(sample(&text, "kiln_spec_draft_tokens_total"), Some(9.0));
+        assert_eq!(sample(&text, "kiln_spec_accepted_tokens_total"), Some(5.0));
         assert_eq!(sample(&text, "kiln_kv_cache_usage_ratio"), Some(0.25));
         // Cumulative buckets as Prometheus defines them: le=0.005 holds 1, le=0.25 holds 2.
         assert_eq!(sample(&text, "kiln_time_to_first_token_seconds_bucket{le=\"0.005\"}"), Some(1.0), "{text}");

@@ -16,6 +16,7 @@
 
 pub mod kernels;
 pub mod load;
+pub mod speculative;
 
 pub use kernels::{launch_cost, launch_part_costs, Bytes, Class, Cost, Flops};
 pub use load::{Experts, Load, Tokens};
@@ -471,6 +472,8 @@ pub struct Report {
     pub assumptions: Assumptions,
     pub decode: Vec<DecodeRow>,
     pub prefill: Vec<PrefillRow>,
+    /// The decode programs as speculative decoding would use them ([`speculative`]).
+    pub speculative: Vec<speculative::SpeculativeRow>,
     pub top: Top,
 }
 
@@ -541,13 +544,14 @@ pub fn report(plan: &Plan, k: &Constants, mut notes_extra: Vec<String>, step: To
             prefill.push(PrefillRow { chunk, prefix: c - chunk, step: StepPerf::of(p, c, chunk, &perf, k) });
         }
     }
+    let speculative = speculative::rows(plan, k, &contexts)?;
     let top = top(plan, k, step, context.min(max_context), count)?;
     if context > max_context {
         notes_extra.push(format!("the detailed step is at context {max_context}, the plan's --max-context"));
     }
     let mut all_notes = notes(plan);
     all_notes.extend(notes_extra);
-    Ok(Report { assumptions: Assumptions { target: plan.target.name.clone(), constants: *k, notes: all_notes }, decode, prefill, top })
+    Ok(Report { assumptions: Assumptions { target: plan.target.name.clone(), constants: *k, notes: all_notes }, decode, prefill, speculative, top })
 }
 
 /// Which step [`top`] lists: the decode step of `batch` sequences, or the prefill chunk of
