@@ -629,6 +629,13 @@ fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
             None => assert!(ratio > (k + 1) as f64, "{s}"),
         }
     }
+    // what the engine weighs drafts against: the P2P step of the decode program holding the
+    // rows, every row of it at 8k (3 rows: the batch-4 program's step)
+    for (rows, bucket) in [(1u64, 1u64), (2, 2), (3, 4), (4, 4), (33, 64), (64, 64)] {
+        let us = kiln_runtime::perf::speculative::decode_step_us(&plan, rows as usize).unwrap();
+        assert_eq!(us / 1e3, f(row(bucket, 8192), "step_ms_p2p"), "{rows} rows");
+    }
+    assert_eq!(kiln_runtime::perf::speculative::decode_step_us(&plan, 65), None);
     // batches 1 .. 32 with the drafts whose rows a decode program holds, at four contexts
     assert_eq!(speculative.len(), 4 * (3 + 3 + 3 + 3 + 3 + 1), "{speculative:?}");
     assert!(at_buckets >= 4 * 8);

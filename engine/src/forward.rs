@@ -34,6 +34,13 @@ pub trait Forward: Send {
     /// sequence at consecutive positions (a speculative step's drafts) each see the positions up
     /// to their own, as if decoded one after the other.
     fn decode(&mut self, items: &[DecodeItem<'_>]) -> Result<Vec<f32>, String>;
+    /// Relative time of a decode step of `rows` rows (any unit, the same for every count), what
+    /// speculative decoding weighs its drafts against; None: unknown (drafts then fill the rows
+    /// a batch has to spare).
+    fn decode_cost(&mut self, rows: usize) -> Option<f64> {
+        let _ = rows;
+        None
+    }
     /// Why the backend can serve nothing any more (a GPU fault), once that has happened.
     fn failure(&self) -> Option<String> {
         None
@@ -76,5 +83,9 @@ impl Forward for Runner {
     fn decode(&mut self, items: &[DecodeItem<'_>]) -> Result<Vec<f32>, String> {
         let rows: Vec<DecodeRow> = items.iter().map(|i| DecodeRow { pages: i.pages, pos: i.pos, token: i.token }).collect();
         Runner::decode(self, &rows).map(<[f32]>::to_vec).map_err(|e| e.to_string())
+    }
+    /// The plan's predicted step times (GPU plans; a CPU plan has none).
+    fn decode_cost(&mut self, rows: usize) -> Option<f64> {
+        Runner::predicted_decode_us(self, rows)
     }
 }

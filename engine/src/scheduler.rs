@@ -9,12 +9,18 @@
 //! goes back to the head of the queue, and on resume its prompt and output are recomputed by
 //! prefill (vLLM's recompute policy), so its output is what it would have been. Its full pages
 //! stay in the prefix cache meanwhile, so a resume often recomputes little.
+//!
+//! With speculative decoding a decoding sequence may also feed drafts (`speculation`) as rows
+//! at its next positions in the same step; its rows are taken in order and count only while
+//! the token chosen is the draft the next row was fed, so the tokens are the ones it would have
+//! had, a step just yields more of them.
 
 use crate::forward::{DecodeItem, Forward};
 use crate::pages::PagePool;
 pub use crate::request::{Event, EventSink, FinishReason, GenerationRequest, Rejected, TokenConstraint};
 use crate::sequence::{Phase, Sequence};
 pub use crate::speculation::NgramSpeculation;
+use crate::speculation::draft_counts;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -421,39 +427,54 @@ impl Engine {
         }
     }
 
-    /// The drafts of a decode batch's sequences, oldest first, while the batch has rows to
-    /// spare (`rows` in all: speculation never makes a step run another launch of the plan) and
-    /// the draft positions find free pages (a guess never evicts a cached page or preempts).
-    /// A sequence drafts at most one token fewer than it may still emit.
+    /// The drafts of a decode batch's sequences, oldest first: what prompt lookup proposes for
+    /// each (at most one token fewer than it may still emit, at positions its pages and the free
+    /// ones hold), then as many of them as [`draft_counts`] finds worth their rows, each
+    /// given the pages its positions need from the free ones (a guess never evicts a cached page
+    /// or preempts).
     fn drafts(&mut self, batch: &[u64], rows: usize) -> Vec<Vec<u32>> {
         let Some(spec) = self.speculation else { return vec![Vec::new(); batch.len()] };
-        let mut spare = rows.saturating_sub(batch.len());
         let ps = self.pool.page_size();
-        let mut out = Vec::with_capacity(batch.len());
+        let spare = rows.saturating_sub(batch.len());
+        let free = self.pool.available() - self.pool.cached_idle();
+        let mut proposals: Vec<(Option<usize>, Vec<u32>)> = Vec::with_capacity(batch.len());
         for &a in batch {
             let Some(i) = self.running.iter().position(|s| s.arrival == a) else {
-                out.push(Vec::new());
+                proposals.push((None, Vec::new()));
                 continue;
             };
             let s = &self.running[i];
             let emits = s.limit.saturating_sub(s.tokens.len()).min(s.request.max_tokens.saturating_sub(s.generated()));
-            let free = self.pool.available() - self.pool.cached_idle();
-            // positions up to the pages it holds and the free ones
             let fits = ((s.pages.len() + free) * ps).saturating_sub(s.cached + 1);
-            let mut draft = spec.propose(&s.tokens, spare.min(emits.saturating_sub(1)).min(fits));
-            let need = (s.cached + draft.len()) / ps + 1;
-            let more = need.saturating_sub(s.pages.len());
-            if more > 0 {
-                match self.pool.alloc(more) {
-                    Some(pages) => self.running[i].pages.extend(pages),
-                    None => draft.clear(),
-                }
-            }
-            spare -= draft.len();
-            self.stats.draft_tokens.fetch_add(draft.len() as u64, Ordering::Relaxed);
-            out.push(draft);
+            proposals.push((Some(i), spec.propose(&s.tokens, spare.min(emits.saturating_sub(1)).min(fits))));
         }
-        out
+        let gains: Vec<Vec<f64>> = proposals
+            .iter()
+            .map(|(i, draft)| {
+                let a = i.map_or(0.0, |i| self.running[i].draft_acceptance());
+                (1..=draft.len()).map(|n| a.powi(n as i32)).collect()
+            })
+            .collect();
+        let model = &mut self.model;
+        let counts = draft_counts(batch.len(), &gains, rows, |r| model.decode_cost(r));
+        proposals
+            .into_iter()
+            .zip(counts)
+            .map(|((i, mut draft), keep)| {
+                draft.truncate(keep);
+                let Some(i) = i else { return draft };
+                let s = &self.running[i];
+                let more = ((s.cached + draft.len()) / ps + 1).saturating_sub(s.pages.len());
+                if more > 0 {
+                    match self.pool.alloc(more) {
+                        Some(pages) => self.running[i].pages.extend(pages),
+                        None => draft.clear(),
+                    }
+                }
+                self.stats.draft_tokens.fetch_add(draft.len() as u64, Ordering::Relaxed);
+                draft
+            })
+            .collect()
     }
 
     /// Sequence `a`'s logit rows of a step, in order: each chooses the next token as a step of
@@ -475,7 +496,10 @@ impl Engine {
                 return;
             }
             let Some(&fed) = draft.get(j) else { return };
-            if self.running[i].tokens.last() != Some(&fed) {
+            let s = &mut self.running[i];
+            let accepted = s.tokens.last() == Some(&fed);
+            s.record_draft(accepted);
+            if !accepted {
                 return;
             }
             self.stats.accepted_draft_tokens.fetch_add(1, Ordering::Relaxed);

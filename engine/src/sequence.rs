@@ -33,6 +33,9 @@ pub struct Sequence {
     pub announced: bool,
     /// Token budget: prompt + completion, capped by the context.
     pub limit: usize,
+    /// Speculative drafts the model's choice was compared with, and those it equalled.
+    drafts_tested: u32,
+    drafts_accepted: u32,
     sampler: Sampler,
     history: Option<TokenHistory>,
     /// Scratch row for penalties and masks, reused every step.
@@ -57,6 +60,8 @@ impl Sequence {
             cached_prompt: 0,
             announced: false,
             limit,
+            drafts_tested: 0,
+            drafts_accepted: 0,
             history,
             row: Vec::new(),
         }
@@ -68,6 +73,18 @@ impl Sequence {
 
     pub fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len()
+    }
+
+    /// The chance that this sequence's next draft is accepted, from its record (Laplace's rule:
+    /// one accepted and one rejected draft assumed, so a new sequence starts at one half).
+    pub fn draft_acceptance(&self) -> f64 {
+        (self.drafts_accepted as f64 + 1.0) / (self.drafts_tested as f64 + 2.0)
+    }
+
+    /// A draft was compared with the token the model chose.
+    pub fn record_draft(&mut self, accepted: bool) {
+        self.drafts_tested += 1;
+        self.drafts_accepted += accepted as u32;
     }
 
     /// Registers every page that has become full and computed.

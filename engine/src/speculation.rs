@@ -41,9 +41,73 @@ impl NgramSpeculation {
     }
 }
 
+/// How many of each sequence's proposed drafts a step of `base` sequences runs (at most
+/// `rows` rows in all), given each draft's expected gain (`gains[s][i]`: the chance that it and
+/// every draft of sequence s before it are accepted, so a sequence's gains fall). Drafts are
+/// taken in order of gain. Where `cost` prices a step of n rows (any unit), the step runs the
+/// number of rows with the most expected tokens per unit of time (every row count is tried, so a
+/// dearer bucket that more drafts fill can win), and a draft that would slow decoding is not
+/// made; where it does not, every proposed draft runs while rows last.
+pub fn draft_counts(base: usize, gains: &[Vec<f64>], rows: usize, mut cost: impl FnMut(usize) -> Option<f64>) -> Vec<usize> {
+    let mut order: Vec<(f64, usize)> = gains.iter().enumerate().flat_map(|(s, g)| g.iter().map(move |&g| (g, s))).collect();
+    order.sort_by(|x, y| y.0.total_cmp(&x.0));
+    order.truncate(rows.saturating_sub(base));
+    let mut take = order.len();
+    if !order.is_empty() {
+        if let Some(plain) = cost(base) {
+            let (mut best, mut expected) = (base as f64 / plain, base as f64);
+            take = 0;
+            for (n, &(gain, _)) in order.iter().enumerate() {
+                expected += gain;
+                let Some(c) = cost(base + n + 1) else { break };
+                if expected / c > best * (1.0 + 1e-9) {
+                    best = expected / c;
+                    take = n + 1;
+                }
+            }
+        }
+    }
+    let mut counts = vec![0; gains.len()];
+    for &(_, s) in &order[..take] {
+        counts[s] += 1;
+    }
+    counts
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Step costs by rows from a table (None past it).
+    fn table(t: &'static [f64]) -> impl FnMut(usize) -> Option<f64> {
+        move |rows| t.get(rows - 1).copied()
+    }
+
+    #[test]
+    fn drafts_run_where_their_expected_tokens_outweigh_their_rows() {
+        // one sequence, a draft at one half: 1.5 tokens for 1.25x pays, at a fifth 1.2 does not
+        assert_eq!(draft_counts(1, &[vec![0.5]], 8, table(&[1.0, 1.25])), vec![1]);
+        assert_eq!(draft_counts(1, &[vec![0.2]], 8, table(&[1.0, 1.25])), vec![0]);
+        // three at 0.8 (gains 0.8, 0.64, 0.512): 1.8 / 1.25, 2.44 / 1.6, 2.952 / 1.6: all three
+        assert_eq!(draft_counts(1, &[vec![0.8, 0.64, 0.512]], 8, table(&[1.0, 1.25, 1.6, 1.6])), vec![3]);
+        // a dear second row that a third and fourth fill: 1.9 / 1.9 is no gain, 3.439 / 2 is
+        assert_eq!(draft_counts(1, &[vec![0.9, 0.81, 0.729]], 8, table(&[1.0, 1.9, 2.0, 2.0])), vec![3]);
+        // rows at full price never pay
+        assert_eq!(draft_counts(2, &[vec![0.9, 0.81], vec![0.7]], 8, |r| Some(r as f64)), vec![0, 0]);
+    }
+
+    #[test]
+    fn drafts_are_taken_by_gain_across_sequences_within_the_rows() {
+        // two sequences, room for two drafts: the likelier ones (0.9 and 0.7, not 0.81 and 0.49)
+        let gains = [vec![0.9, 0.81 * 0.5], vec![0.7, 0.49]];
+        assert_eq!(draft_counts(2, &gains, 4, |_| Some(1.0)), vec![1, 1]);
+        // without a price every proposed draft runs while rows last, likeliest first
+        assert_eq!(draft_counts(2, &gains, 5, |_| None), vec![1, 2]);
+        assert_eq!(draft_counts(2, &gains, 8, |_| None), vec![2, 2]);
+        // no rows to spare, or nothing proposed
+        assert_eq!(draft_counts(2, &gains, 2, |_| Some(1.0)), vec![0, 0]);
+        assert_eq!(draft_counts(2, &[vec![], vec![]], 8, |_| Some(1.0)), vec![0, 0]);
+    }
 
     #[test]
     fn the_longest_suffix_finds_its_latest_occurrence() {

@@ -23,12 +23,26 @@ struct Counters {
     decode_rows: AtomicUsize,
 }
 
+/// What the fake says a decode step of `rows` rows costs.
+#[derive(Clone, Copy)]
+enum Cost {
+    /// Nothing (drafts fill the spare rows).
+    Unknown,
+    /// Every row as much as a step's first: a draft never pays.
+    PerRow,
+    /// A GPU's shape: 1 row 1.0, 2 rows 1.25, up to 4 1.6, up to 8 2.2 (GLM-5's predicted
+    /// batch 1, 2, 4, 8 steps at 8k context, rounded).
+    Buckets,
+}
+
 /// The next token's logits from the cached tokens at positions `< len` only: mostly the token
-/// one period back, but every 7th position that token plus one, so a draft copied from the
-/// context is wrong there. `soft`: a peaked distribution instead of one-hot.
+/// one period back, but every `wrong_every`-th position that token plus one, so a draft copied
+/// from the context is wrong there. `soft`: a peaked distribution instead of one-hot.
 struct Periodic {
     cache: HashMap<u32, [u32; PAGE]>,
     soft: bool,
+    wrong_every: usize,
+    cost: Cost,
     counters: Arc<Counters>,
 }
 
@@ -40,7 +54,7 @@ impl Periodic {
     fn logits(&self, pages: &[u32], len: usize) -> Vec<f32> {
         let at = |p: usize| self.cache[&pages[p / PAGE]][p % PAGE];
         let back = if len >= PERIOD { at(len - PERIOD) } else { at(len - 1) };
-        let next = if len % 7 == 0 { (back + 1) % VOCAB as u32 } else { back } as usize;
+        let next = if len % self.wrong_every == 0 { (back + 1) % VOCAB as u32 } else { back } as usize;
         if self.soft {
             // position-dependent runners-up, so a sample off the peak is not always the same token
             (0..VOCAB).map(|t| if t == next { 6.0 } else { ((t * 13 + len * 7) % 11) as f32 * 0.1 }).collect()
@@ -85,11 +99,27 @@ impl Forward for Periodic {
         }
         Ok(items.iter().flat_map(|it| self.logits(it.pages, it.pos + 1)).collect())
     }
+    fn decode_cost(&mut self, rows: usize) -> Option<f64> {
+        match self.cost {
+            Cost::Unknown => None,
+            Cost::PerRow => Some(rows as f64),
+            Cost::Buckets => Some(match rows {
+                1 => 1.0,
+                2 => 1.25,
+                3..=4 => 1.6,
+                _ => 2.2,
+            }),
+        }
+    }
 }
 
 fn engine(soft: bool, speculation: Option<NgramSpeculation>) -> (EngineHandle, Arc<Counters>) {
+    engine_with(soft, 7, Cost::Unknown, speculation)
+}
+
+fn engine_with(soft: bool, wrong_every: usize, cost: Cost, speculation: Option<NgramSpeculation>) -> (EngineHandle, Arc<Counters>) {
     let counters = Arc::new(Counters::default());
-    let model = Periodic { cache: HashMap::new(), soft, counters: counters.clone() };
+    let model = Periodic { cache: HashMap::new(), soft, wrong_every, cost, counters: counters.clone() };
     (start(Box::new(model), EngineOptions { speculation, ..EngineOptions::default() }), counters)
 }
 
@@ -234,3 +264,35 @@ fn more_requests_than_a_batch_holds_are_unchanged_and_never_overfill_a_step() {
     assert_eq!(run(&spec, many()), run(&plain, many()));
     assert!(spec.stats.accepted_draft_tokens.load(Ordering::Relaxed) > 0);
 }
+
+#[test]
+fn drafts_run_only_where_the_step_costs_say_they_pay() {
+    let alone = |wrong_every: usize, cost: Cost| {
+        let (e, counts) = engine_with(false, wrong_every, cost, Some(NgramSpeculation::new(3)));
+        let out = run(&e, vec![GenerationRequest::new(prompt(9, 6), 40)]);
+        let drafted = e.stats.draft_tokens.load(Ordering::Relaxed);
+        (out, drafted, counts.decode_calls.load(Ordering::SeqCst))
+    };
+    // (a draft every 3rd position wrong: drafts copied from this context then never are right)
+    for wrong_every in [7, 3] {
+        let (plain, _) = engine_with(false, wrong_every, Cost::Unknown, None);
+        let want = run(&plain, vec![GenerationRequest::new(prompt(9, 6), 40)]);
+        // a row costing as much as a step: expected gains below one token never pay
+        let (out, drafted, steps) = alone(wrong_every, Cost::PerRow);
+        assert_eq!((&out, drafted, steps), (&want, 0, 39), "rows at full price, a draft every {wrong_every}");
+        // a GPU's shape: drafts while they are accepted often enough for their rows
+        let (out, drafted, steps) = alone(wrong_every, Cost::Buckets);
+        assert_eq!(out, want);
+        if wrong_every == 7 {
+            // mostly right: up to three drafts a step (1 + a + a^2 + a^3 against 1.6x)
+            assert!(steps <= 30 && drafted > 20, "{steps} steps, {drafted} drafts");
+        } else {
+            // never right: a draft at the prior's one half (1.5 tokens for 1.25x), another at a
+            // third, then none once its record says a quarter, where free rows would take dozens
+            assert!(drafted <= 3 && steps == 39, "{steps} steps, {drafted} drafts");
+            let (out, free_drafts, _) = alone(wrong_every, Cost::Unknown);
+            assert!(out == want && free_drafts > 20, "{free_drafts} drafts in free rows");
+        }
+    }
+}
+

@@ -127,6 +127,8 @@ pub struct Runner {
     out: Vec<f32>,
     /// Index of the program that ran last.
     last: Option<usize>,
+    /// Predicted time of each decode program (by program index), once asked for.
+    decode_costs: Vec<Option<Option<f64>>>,
 }
 
 /// One sequence of a decode batch: its pages (in position order), the position of `token`
@@ -171,7 +173,7 @@ impl Runner {
                 Backend::Emu(EmuBackend::new(plan, arenas)?)
             }
         };
-        Ok(Runner { backend, inputs: Inputs::default(), out: Vec::new(), last: None })
+        Ok(Runner { backend, inputs: Inputs::default(), out: Vec::new(), last: None, decode_costs: Vec::new() })
     }
 
     pub fn plan(&self) -> &Plan {
@@ -235,6 +237,22 @@ impl Runner {
             ProgramKind::Prefill { .. } => Some(p.tokens),
             _ => None,
         }).max().unwrap_or(0)
+    }
+
+    /// Predicted time of a decode step of `rows` rows, µs (the performance model's, for the
+    /// decode program that runs them; computed once per program): what speculative decoding
+    /// weighs its drafts against. None for a CPU plan, which the model does not time, or more
+    /// rows than the largest decode batch.
+    pub fn predicted_decode_us(&mut self, rows: usize) -> Option<f64> {
+        let index = self.plan().decode_program(rows)?;
+        if self.decode_costs.len() < self.plan().programs.len() {
+            self.decode_costs.resize(self.plan().programs.len(), None);
+        }
+        if self.decode_costs[index].is_none() {
+            let p = &self.plan().programs[index];
+            self.decode_costs[index] = Some(crate::perf::speculative::decode_step_us(self.plan(), p.tokens));
+        }
+        self.decode_costs[index].flatten()
     }
 
     pub fn check_ids(&self, ids: &[u32]) -> Result<(), RuntimeError> {

@@ -50,7 +50,8 @@ pub struct Args {
     pub backend: String,
     /// Speculative decoding from the text itself (as `kiln serve --speculative-ngram`): up to K
     /// draft tokens a step from what followed the last 2 to 4 tokens earlier, checked by the
-    /// model in the same decode step; the output is unchanged. 0: off.
+    /// model in the same decode step; the output is unchanged (GPU plans: only drafts their
+    /// predicted step times say pay). 0: off.
     #[arg(long, default_value_t = 0, value_name = "K")]
     pub speculative_ngram: usize,
 }

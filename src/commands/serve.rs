@@ -58,7 +58,9 @@ pub struct Args {
     /// 4 tokens. The model checks them in the same decode step, in rows its batch has to spare,
     /// and keeps each it would have chosen anyway, so the output is unchanged (sampling
     /// included) while a step may yield up to K + 1 tokens. Pays where output repeats its
-    /// context (code edits, quotes, structured data); every draft is a decode row. 0: off.
+    /// context (code edits, quotes, structured data); every draft is a decode row, so on a GPU
+    /// plan drafts run only where the predicted step times and the request's acceptance so far
+    /// say they pay (the CPU backend has no step times: its spare rows take them). 0: off.
     #[arg(long, default_value_t = 0, value_name = "K")]
     speculative_ngram: usize,
     /// Seconds a client has to send a request head; also how long an idle keep-alive connection
