@@ -10,7 +10,8 @@
 #   against `kiln inspect --perf`, per-kernel times under ncu where installed, and again as
 #   compiled with --no-merge (do merged and chained launches pay on silicon?) -> kiln serve
 #   --backend cuda + kiln bench at several concurrencies -> decode tok/s of cuda and cpu in the
-#   same run; graph build time and weight upload GB/s from the backend's log.
+#   same run; graph build time and weight upload GB/s from the backend's log -> the GLM-5 slice
+#   decoding with prompt-lookup drafts: a speculative step's measured cost against the model's.
 #
 # Usage: scripts/gpu-check.sh [--quick]
 #   KILN_BIN=/path/to/kiln   a prebuilt (stripped) kiln; without it the script builds one (needs cargo)
@@ -383,6 +384,28 @@ for b in cuda cpu; do
     record "decode-$b" fail
   fi
 done
+
+# ---- speculative decoding on GLM-5's layer shapes: what a step of more rows costs on silicon ---
+# The 5-layer slice again, compiled with decode programs of 1, 2 and 4 rows, decoding at ~2k
+# without and with prompt-lookup drafts (--speculative-ngram 3). Its zero weights make every
+# token the same, so the drafts are always right and each step yields up to 4 tokens: the two
+# speeds give the measured time of a speculative step over a 1-row step's, beside the model's
+# prediction (which also decides how many drafts run). Both runs must write the same text.
+if [ "$double" = 0 ] && [ "$quick" = 0 ] && [ -d "$work/g5-ckpt" ] && [ -n "${prompt:-}" ]; then
+  if [ "$(time_left)" -lt 90 ]; then
+    record glm5-speculative skipped '{"why":"out of time"}'
+  elif run glm5-speculative 120 "$kiln" compile "$work/g5-ckpt" --target "$arch" --tp 1 --decode-batches 1,2,4 \
+         --prefill-chunk 512 --max-context 8192 -o "$work/g5-spec" &&
+       run_to glm5-speculative 30 "$work/g5-spec-perf.json" "$kiln" inspect "$work/g5-spec" --perf --json &&
+       run_to glm5-spec-plain 120 "$work/spec-plain.txt" "$kiln" run "$work/g5-spec" --backend cuda --prompt "$prompt" --max-tokens 128 &&
+       run_to glm5-spec-drafts 120 "$work/spec-drafts.txt" "$kiln" run "$work/g5-spec" --backend cuda --prompt "$prompt" --max-tokens 128 --speculative-ngram 3; then
+    fig=$("$python" scripts/gpu_check_speculative.py "$work/g5-spec-perf.json" "$out/glm5-spec-plain.log" "$out/glm5-spec-drafts.log" "$work/spec-plain.txt" "$work/spec-drafts.txt")
+    st=ok; case "$fig" in *'"same_text": true'*) ;; *) st=fail; fig=${fig:-"{}"} ;; esac
+    record glm5-speculative "$st" "$fig"
+  else
+    record glm5-speculative fail
+  fi
+fi
 
 # ---- summary ----------------------------------------------------------------------------------
 elapsed=$(( $(date +%s) - start ))
