@@ -21,6 +21,8 @@
 //! quantises exactly as the sm_120a one and its tensor-core GEMMs differ only in summation order,
 //! so the same limits hold.
 
+use kiln_runtime::cpu::CpuOptions;
+use kiln_runtime::plan::AttentionForm;
 use kiln_runtime::session::{BackendKind, LogitRows, Session, SessionOptions};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -246,5 +248,55 @@ fn merged_launches_compute_the_unmerged_plans_logits_bit_for_bit() {
     for (i, (r, s)) in x.iter().zip(&y).enumerate() {
         assert!(r.iter().zip(s).all(|(a, b)| a.to_bits() == b.to_bits()), "logit row {i} differs between the merged and the unmerged plan");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A prefill whose last few tokens run faster as one decode step of that many rows (the plan's
+/// predicted steps: here decode_2 against the 16-token prefill program) takes that route (the
+/// CUDA backend's default, asked for here on the CPU and the emulator): on
+/// the CPU backend (absorbed attention, rows independent) its logits are those of feeding the
+/// tokens one at a time, bit for bit; on the emulator they match the CPU's (the module doc's
+/// tolerances), its kernels writing the tail's KV that later decode steps read.
+#[test]
+fn a_prefills_short_tail_runs_as_a_decode_step() {
+    let (ckpt, ids) = golden_ids("nvfp4_groups");
+    let dir = scratch("tail");
+    let art = dir.join("art");
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["compile", ckpt.to_str().unwrap(), "--target", "sm_120a", "--no-ptxas", "--prefill-chunk", "16", "--decode-batches", "1,2,4", "--max-context", "64", "-o"])
+        .arg(&art)
+        .output()
+        .expect("run kiln");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(ids.len() >= 20, "the golden prompt is {} tokens", ids.len());
+    let (prompt, next) = (&ids[..18], &ids[18..20]);
+    let cpu = CpuOptions { attention: Some(AttentionForm::Absorbed), ..CpuOptions::default() };
+    let run = |backend: BackendKind| {
+        let mut s = Session::open(&art, None, SessionOptions { backend, cpu, prefill_by_decode: Some(true), ..Default::default() }).unwrap();
+        let a = s.new_sequence();
+        // 16 tokens through prefill_16, the last 2 through decode_2
+        let vocab = s.vocab_size();
+        let mut rows: Vec<Vec<f32>> = s.prefill(a, prompt, LogitRows::All).unwrap().chunks_exact(vocab).map(<[f32]>::to_vec).collect();
+        assert_eq!(s.runner().last_program(), Some("decode_2"), "{backend:?}");
+        for &id in next {
+            rows.push(s.decode(&[(a, id)]).unwrap().to_vec());
+        }
+        rows
+    };
+    let on_cpu = run(BackendKind::Cpu);
+    // one token at a time through the decode programs, on the CPU: the same bits
+    let mut s = Session::open(&art, None, SessionOptions { cpu, ..Default::default() }).unwrap();
+    let vocab = s.vocab_size();
+    let one_by_one: Vec<Vec<f32>> = s.logits(&ids[..20], true).unwrap().chunks_exact(vocab).map(<[f32]>::to_vec).collect();
+    assert_eq!(on_cpu.len(), 20);
+    for (i, (a, b)) in on_cpu.iter().zip(&one_by_one).enumerate() {
+        assert!(a == b, "row {i}: the decode route differs from decoding one token at a time");
+    }
+    let emu = run(BackendKind::Emu);
+    let errs: Vec<f64> = emu.iter().zip(&on_cpu).map(|(e, c)| rel_l2(e, c)).collect();
+    let mut sorted = errs.clone();
+    sorted.sort_by(f64::total_cmp);
+    eprintln!("tail by decode: rel-L2 median {:.2e} max {:.2e}", sorted[sorted.len() / 2], sorted[sorted.len() - 1]);
+    assert!(sorted[sorted.len() / 2] <= MEDIAN_TOL && sorted[sorted.len() - 1] <= ROW_TOL, "{errs:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

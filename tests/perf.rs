@@ -636,6 +636,14 @@ fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
         assert_eq!(us / 1e3, f(row(bucket, 8192), "step_ms_p2p"), "{rows} rows");
     }
     assert_eq!(kiln_runtime::perf::speculative::decode_step_us(&plan, 65), None);
+    // short prefills run as decode steps where those cost less per token (Runner::prefill): the
+    // one token a cached prompt recomputes, a short turn deep in a context, the first 64 of a
+    // 100-token turn at 120k (decode_64 against prefill_128, per token); never a long chunk
+    let step = |i: usize, c: usize| kiln_runtime::perf::program_step_us(&plan, i, c);
+    for (tokens, from, want) in [(1, 8000, Some(1)), (16, 30000, Some(16)), (100, 120000, Some(64)), (2, 2048 + 6, Some(2)), (512, 0, None), (2048, 8192, None), (8192, 0, None)] {
+        assert_eq!(plan.prefill_piece_by_decode(tokens, from, step), want, "{tokens} tokens from {from}");
+    }
+    assert_eq!(plan.prefill_piece_by_decode(1, 8000, |_, _| None), None, "without predicted steps (a CPU plan), the prefill program");
     // batches 1 .. 32 with the drafts whose rows a decode program holds, at four contexts
     assert_eq!(speculative.len(), 4 * (3 + 3 + 3 + 3 + 3 + 1), "{speculative:?}");
     assert!(at_buckets >= 4 * 8);

@@ -23,6 +23,11 @@ pub struct SessionOptions {
     /// Before binding, scan every weight for NaN/Inf and check the hashes the artifact records
     /// (`--check-weights`; reads the whole checkpoint once).
     pub check_weights: bool,
+    /// Run a prefill's short pieces as decode steps of the sequence's next tokens where the
+    /// plan's predicted steps say that is faster per token ([`Plan::prefill_piece_by_decode`]).
+    /// None: on the CUDA backend only, where speed is the point; the CPU and emulator backends
+    /// check the plan's prefill programs as compiled.
+    pub prefill_by_decode: Option<bool>,
 }
 
 /// Which backend executes the plan.
@@ -127,8 +132,10 @@ pub struct Runner {
     out: Vec<f32>,
     /// Index of the program that ran last.
     last: Option<usize>,
-    /// Predicted time of each decode program (by program index), once asked for.
-    decode_costs: Vec<Option<Option<f64>>>,
+    /// Predicted step of a program (by index) at a context, once asked for.
+    step_costs: std::collections::HashMap<(usize, usize), Option<f64>>,
+    /// [`SessionOptions::prefill_by_decode`], resolved for the backend.
+    prefill_by_decode: bool,
 }
 
 /// One sequence of a decode batch: its pages (in position order), the position of `token`
@@ -161,6 +168,7 @@ impl Runner {
         if opts.check_weights {
             weight_check::scan_checkpoint(&plan, artifact, weights, opts.progress)?.into_result()?;
         }
+        let prefill_by_decode = opts.prefill_by_decode.unwrap_or(opts.backend == BackendKind::Cuda);
         let backend = match opts.backend {
             // Uploads from the mapped checkpoint itself: no host copy of the weights.
             BackendKind::Cuda => Backend::Cuda(CudaBackend::new(plan, artifact, weights, opts.progress)?),
@@ -173,7 +181,7 @@ impl Runner {
                 Backend::Emu(EmuBackend::new(plan, arenas)?)
             }
         };
-        Ok(Runner { backend, inputs: Inputs::default(), out: Vec::new(), last: None, decode_costs: Vec::new() })
+        Ok(Runner { backend, inputs: Inputs::default(), out: Vec::new(), last: None, step_costs: Default::default(), prefill_by_decode })
     }
 
     pub fn plan(&self) -> &Plan {
@@ -240,19 +248,28 @@ impl Runner {
     }
 
     /// Predicted time of a decode step of `rows` rows, µs (the performance model's, for the
-    /// decode program that runs them; computed once per program): what speculative decoding
-    /// weighs its drafts against. None for a CPU plan, which the model does not time, or more
-    /// rows than the largest decode batch.
+    /// decode program that runs them, at [`crate::perf::COST_CONTEXT`]): what speculative
+    /// decoding weighs its drafts against. None for a CPU plan, which the model does not time,
+    /// or more rows than the largest decode batch.
     pub fn predicted_decode_us(&mut self, rows: usize) -> Option<f64> {
         let index = self.plan().decode_program(rows)?;
-        if self.decode_costs.len() < self.plan().programs.len() {
-            self.decode_costs.resize(self.plan().programs.len(), None);
+        self.predicted_step_us(index, crate::perf::COST_CONTEXT)
+    }
+
+    /// The performance model's step of program `index` at `context`, µs, computed once each.
+    fn predicted_step_us(&mut self, index: usize, context: usize) -> Option<f64> {
+        let Runner { backend, step_costs, .. } = self;
+        cached_step_us(step_costs, backend.plan(), index, context)
+    }
+
+    /// [`Plan::prefill_piece_by_decode`] by the performance model's predicted steps.
+    fn prefill_piece_by_decode(&mut self, remaining: usize, first_position: usize) -> Option<usize> {
+        if !self.prefill_by_decode {
+            return None;
         }
-        if self.decode_costs[index].is_none() {
-            let p = &self.plan().programs[index];
-            self.decode_costs[index] = Some(crate::perf::speculative::decode_step_us(self.plan(), p.tokens));
-        }
-        self.decode_costs[index].flatten()
+        let Runner { backend, step_costs, .. } = self;
+        let plan = backend.plan();
+        plan.prefill_piece_by_decode(remaining, first_position, |index, context| cached_step_us(step_costs, plan, index, context))
     }
 
     pub fn check_ids(&self, ids: &[u32]) -> Result<(), RuntimeError> {
@@ -283,7 +300,8 @@ impl Runner {
     }
 
     /// Appends `ids` at positions `start..` of the sequence that owns `pages` through the
-    /// prefill programs (in chunks); returns the logits of `rows`.
+    /// prefill programs (in chunks; or, where the plan's predicted steps say that is faster per
+    /// token, as decode steps of the sequence's next tokens); returns the logits of `rows`.
     pub fn prefill(&mut self, pages: &[u32], start: usize, ids: &[u32], rows: LogitRows) -> Result<&[f32], RuntimeError> {
         if ids.is_empty() {
             return Err(RuntimeError::input("token ids", "no tokens to prefill"));
@@ -295,6 +313,19 @@ impl Runner {
         let mut done = 0;
         while done < ids.len() {
             let remaining = ids.len() - done;
+            if let Some(piece) = self.prefill_piece_by_decode(remaining, start + done) {
+                let batch: Vec<DecodeRow> = (done..done + piece).map(|i| DecodeRow { pages, pos: start + i, token: ids[i] }).collect();
+                let mut out = std::mem::take(&mut self.out);
+                let logits = self.decode(&batch)?;
+                match rows {
+                    LogitRows::All => out.extend_from_slice(logits),
+                    LogitRows::Last if done + piece == ids.len() => out.extend_from_slice(&logits[logits.len() - vocab..]),
+                    LogitRows::Last => {}
+                }
+                self.out = out;
+                done += piece;
+                continue;
+            }
             let index = self
                 .plan()
                 .prefill_program(remaining, start + done)
@@ -384,6 +415,11 @@ impl Runner {
         }
         Ok(&self.out)
     }
+}
+
+/// [`crate::perf::program_step_us`], computed once per program and context.
+fn cached_step_us(costs: &mut std::collections::HashMap<(usize, usize), Option<f64>>, plan: &Plan, index: usize, context: usize) -> Option<f64> {
+    *costs.entry((index, context)).or_insert_with(|| crate::perf::program_step_us(plan, index, context))
 }
 
 /// A [`Runner`] that also owns the KV pages: sequences are created, fed and released by id.

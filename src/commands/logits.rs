@@ -50,7 +50,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         act_quant: if a.act_quant == "off" { ActQuant::W4A16 } else { ActQuant::W4A4 },
         attention: None,
     };
-    let mut session = Session::open(&a.artifact, a.weights.as_deref(), SessionOptions { cpu, progress: true, backend, ..SessionOptions::default() })
+    // the plan's prefill programs as compiled (this is the numerics tool): no decode route
+    let opts = SessionOptions { cpu, progress: true, backend, prefill_by_decode: Some(false), ..SessionOptions::default() };
+    let mut session = Session::open(&a.artifact, a.weights.as_deref(), opts)
         .with_context(|| format!("loading {}", a.artifact.display()))?;
     let logits = session.logits(&a.ids, a.decode)?;
     let vocab = session.vocab_size();

@@ -287,6 +287,26 @@ impl ProgramPerf {
     }
 }
 
+/// The context at which [`program_step_us`] prices programs for the runtime's and the engine's
+/// choices (the plan's `--max-context` where shorter): KV reads grow with the context, weights do
+/// not, so one context gives the ratios between programs well enough.
+pub const COST_CONTEXT: usize = 8192;
+
+/// Predicted step of program `index` with every row real (P2P path), µs: a decode program's
+/// sequences at `context`, a prefill chunk ending there (from position 0 if it is longer), at
+/// most the plan's `--max-context`. None for a CPU plan, which the model does not time.
+pub fn program_step_us(plan: &Plan, index: usize, context: usize) -> Option<f64> {
+    let (k, _) = Constants::for_target(&plan.target).ok()?;
+    let p = plan.programs.get(index)?;
+    let context = context.min(plan.memory.kv.max_context).max(1);
+    let experts = |t: usize| uniform_experts(plan, t);
+    let load = match p.kind {
+        ProgramKind::Decode { .. } => Load::decode(p.tokens, p.tokens, context, experts, plan.ranks()),
+        ProgramKind::Prefill { .. } => Load::prefill(p.tokens, p.tokens, context.saturating_sub(p.tokens), experts, plan.ranks()),
+    };
+    predict_program(plan, p, &load, &k).ok().map(|perf| perf.step_us(true))
+}
+
 /// Predicts every launch and collective of `program` under `load`.
 pub fn predict_program(plan: &Plan, program: &Program, load: &Load, k: &Constants) -> Result<ProgramPerf, String> {
     let mut launches = Vec::new();

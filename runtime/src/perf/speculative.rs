@@ -61,20 +61,12 @@ pub fn break_even(ratio: f64, drafts: usize) -> Option<f64> {
     Some(hi)
 }
 
-/// The context at which [`decode_step_us`] prices a step for the engine's choice of drafts (the
-/// plan's `--max-context` where shorter): its rows' KV reads grow with the context, the weights'
-/// do not, so one context gives the ratios between row counts well enough.
-pub const COST_CONTEXT: usize = 8192;
-
 /// Predicted time of the decode program that runs `rows` rows (every row of it at
-/// [`COST_CONTEXT`]; the P2P path where the plan has the kernel, since that is what it is made
-/// for), µs; None for a CPU plan or more rows than the plan's largest decode batch.
+/// [`super::COST_CONTEXT`]; the P2P path where the plan has the kernel, since that is what it is
+/// made for), µs: what the engine weighs drafts against. None for a CPU plan or more rows than
+/// the plan's largest decode batch.
 pub fn decode_step_us(plan: &Plan, rows: usize) -> Option<f64> {
-    let (k, _) = Constants::for_target(&plan.target).ok()?;
-    let p = &plan.programs[plan.decode_program(rows)?];
-    let context = COST_CONTEXT.min(plan.memory.kv.max_context.max(1));
-    let load = Load::decode(p.tokens, p.tokens, context, |t| uniform_experts(plan, t), plan.ranks());
-    predict_program(plan, p, &load, &k).ok().map(|perf| perf.step_us(true))
+    super::program_step_us(plan, plan.decode_program(rows)?, super::COST_CONTEXT)
 }
 
 /// Every decode batch of the plan with 1..=[`MAX_DRAFTS`] drafts a sequence whose rows a decode

@@ -105,4 +105,22 @@ impl Plan {
         let size = prefill().filter(|(_, p)| p.tokens >= tokens).map(|(_, p)| p.tokens).min().or_else(|| prefill().map(|(_, p)| p.tokens).max())?;
         prefill().filter(|(_, p)| p.tokens == size).max_by_key(|(_, p)| p.from_position).map(|(i, _)| i)
     }
+
+    /// How many of the `remaining` tokens of a prefill from `first_position` to run next as one
+    /// decode step of that many rows of the sequence (up to the largest decode batch), where
+    /// that costs less per token than the prefill program that would take them, by `step_us`
+    /// (program index, context -> predicted step; both at the context the chunk ends at,
+    /// rounded up to a power of two); None: the prefill program. Decode programs are made for
+    /// few rows, so a short turn, a chunk's tail or the one token a cached prompt recomputes
+    /// may take a fraction of a prefill program's time, most of all deep in a long context.
+    pub fn prefill_piece_by_decode(&self, remaining: usize, first_position: usize, mut step_us: impl FnMut(usize, usize) -> Option<f64>) -> Option<usize> {
+        let largest = self.programs.iter().filter_map(|p| if let ProgramKind::Decode { batch } = p.kind { Some(batch) } else { None }).max()?;
+        let rows = remaining.min(largest);
+        let decode = self.decode_program(rows)?;
+        let prefill = self.prefill_program(remaining, first_position)?;
+        let tokens = remaining.min(self.programs[prefill].tokens);
+        let context = (first_position + tokens).next_power_of_two().max(64);
+        let (by_decode, by_prefill) = (step_us(decode, context)? / rows as f64, step_us(prefill, context)? / tokens as f64);
+        (by_decode < by_prefill).then_some(rows)
+    }
 }
