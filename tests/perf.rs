@@ -629,13 +629,14 @@ fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
             None => assert!(ratio > (k + 1) as f64, "{s}"),
         }
     }
-    // what the engine weighs drafts against: the P2P step of the decode program holding the
-    // rows, every row of it at 8k (3 rows: the batch-4 program's step)
+    // what the engine weighs drafts against (Runner::predicted_decode_us): the P2P step of the
+    // decode program holding the rows, every row of it at 8k (3 rows: the batch-4 program's)
     for (rows, bucket) in [(1u64, 1u64), (2, 2), (3, 4), (4, 4), (33, 64), (64, 64)] {
-        let us = kiln_runtime::perf::speculative::decode_step_us(&plan, rows as usize).unwrap();
+        let program = plan.decode_program(rows as usize).unwrap();
+        let us = kiln_runtime::perf::program_step_us(&plan, program, kiln_runtime::perf::COST_CONTEXT).unwrap();
         assert_eq!(us / 1e3, f(row(bucket, 8192), "step_ms_p2p"), "{rows} rows");
     }
-    assert_eq!(kiln_runtime::perf::speculative::decode_step_us(&plan, 65), None);
+    assert_eq!(plan.decode_program(65), None);
     // short prefills run as decode steps where those cost less per token (Runner::prefill): the
     // one token a cached prompt recomputes, a short turn deep in a context, the first 64 of a
     // 100-token turn at 120k (decode_64 against prefill_128, per token); never a long chunk

@@ -437,32 +437,31 @@ impl Engine {
         let ps = self.pool.page_size();
         let spare = rows.saturating_sub(batch.len());
         let free = self.pool.available() - self.pool.cached_idle();
-        let mut proposals: Vec<(Option<usize>, Vec<u32>)> = Vec::with_capacity(batch.len());
-        for &a in batch {
-            let Some(i) = self.running.iter().position(|s| s.arrival == a) else {
-                proposals.push((None, Vec::new()));
-                continue;
-            };
-            let s = &self.running[i];
-            let emits = s.limit.saturating_sub(s.tokens.len()).min(s.request.max_tokens.saturating_sub(s.generated()));
-            let fits = ((s.pages.len() + free) * ps).saturating_sub(s.cached + 1);
-            proposals.push((Some(i), spec.propose(&s.tokens, spare.min(emits.saturating_sub(1)).min(fits))));
-        }
-        let gains: Vec<Vec<f64>> = proposals
+        let at: Vec<usize> = batch.iter().map(|&a| self.running.iter().position(|s| s.arrival == a).expect("decoding sequences stay running during a step")).collect();
+        let proposals: Vec<Vec<u32>> = at
             .iter()
-            .map(|(i, draft)| {
-                let a = i.map_or(0.0, |i| self.running[i].draft_acceptance());
+            .map(|&i| {
+                let s = &self.running[i];
+                let emits = s.limit.saturating_sub(s.tokens.len()).min(s.request.max_tokens.saturating_sub(s.generated()));
+                let fits = ((s.pages.len() + free) * ps).saturating_sub(s.cached + 1);
+                spec.propose(&s.tokens, spare.min(emits.saturating_sub(1)).min(fits))
+            })
+            .collect();
+        let gains: Vec<Vec<f64>> = at
+            .iter()
+            .zip(&proposals)
+            .map(|(&i, draft)| {
+                let a = self.running[i].draft_acceptance();
                 (1..=draft.len()).map(|n| a.powi(n as i32)).collect()
             })
             .collect();
         let model = &mut self.model;
         let counts = draft_counts(batch.len(), &gains, rows, |r| model.decode_cost(r));
-        proposals
-            .into_iter()
+        at.into_iter()
+            .zip(proposals)
             .zip(counts)
             .map(|((i, mut draft), keep)| {
                 draft.truncate(keep);
-                let Some(i) = i else { return draft };
                 let s = &self.running[i];
                 let more = ((s.cached + draft.len()) / ps + 1).saturating_sub(s.pages.len());
                 if more > 0 {

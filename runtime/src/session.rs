@@ -233,10 +233,7 @@ impl Runner {
 
     /// Largest decode batch of the plan (0 if it has none).
     pub fn max_decode_batch(&self) -> usize {
-        self.plan().programs.iter().filter_map(|p| match p.kind {
-            ProgramKind::Decode { batch } => Some(batch),
-            _ => None,
-        }).max().unwrap_or(0)
+        self.plan().max_decode_batch().unwrap_or(0)
     }
 
     /// Largest prefill chunk of the plan (0 if it has none).

@@ -61,14 +61,6 @@ pub fn break_even(ratio: f64, drafts: usize) -> Option<f64> {
     Some(hi)
 }
 
-/// Predicted time of the decode program that runs `rows` rows (every row of it at
-/// [`super::COST_CONTEXT`]; the P2P path where the plan has the kernel, since that is what it is
-/// made for), µs: what the engine weighs drafts against. None for a CPU plan or more rows than
-/// the plan's largest decode batch.
-pub fn decode_step_us(plan: &Plan, rows: usize) -> Option<f64> {
-    super::program_step_us(plan, plan.decode_program(rows)?, super::COST_CONTEXT)
-}
-
 /// Every decode batch of the plan with 1..=[`MAX_DRAFTS`] drafts a sequence whose rows a decode
 /// program holds, at each of `contexts`.
 pub fn rows(plan: &Plan, k: &Constants, contexts: &[usize]) -> Result<Vec<SpeculativeRow>, String> {

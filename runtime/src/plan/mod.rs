@@ -86,6 +86,11 @@ impl Plan {
         &self.weights[id.0 as usize]
     }
 
+    /// The largest decode batch of the plan (None: it has no decode program).
+    pub fn max_decode_batch(&self) -> Option<usize> {
+        self.programs.iter().filter_map(|p| if let ProgramKind::Decode { batch } = p.kind { Some(batch) } else { None }).max()
+    }
+
     /// Index of the smallest decode program that holds `batch` sequences, if any.
     pub fn decode_program(&self, batch: usize) -> Option<usize> {
         self.programs
@@ -114,8 +119,7 @@ impl Plan {
     /// few rows, so a short turn, a chunk's tail or the one token a cached prompt recomputes
     /// may take a fraction of a prefill program's time, most of all deep in a long context.
     pub fn prefill_piece_by_decode(&self, remaining: usize, first_position: usize, mut step_us: impl FnMut(usize, usize) -> Option<f64>) -> Option<usize> {
-        let largest = self.programs.iter().filter_map(|p| if let ProgramKind::Decode { batch } = p.kind { Some(batch) } else { None }).max()?;
-        let rows = remaining.min(largest);
+        let rows = remaining.min(self.max_decode_batch()?);
         let decode = self.decode_program(rows)?;
         let prefill = self.prefill_program(remaining, first_position)?;
         let tokens = remaining.min(self.programs[prefill].tokens);
