@@ -1,7 +1,7 @@
 //! End-to-end tests of `kiln synth`, `kiln compile` and `kiln inspect` through the binary.
 
 use kiln_compiler::checkpoint::safetensors::{read_header, write_file, TensorToWrite};
-use kiln_runtime::plan::DType;
+use kiln_runtime::plan::{read_plan, DType, Plan, Transform};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -268,7 +268,7 @@ fn glm5_skeleton_tp8_matches_independent_weight_count_and_public_kv_capacity() {
 /// these plans is tests/kernels_plan.rs'.
 #[test]
 fn nvfp4_checkpoints_compile_for_sm_90a() {
-    use kiln_runtime::plan::{read_plan, KernelFamily};
+    use kiln_runtime::plan::KernelFamily;
     let root = scratch("sm90");
     let goldens = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/goldens");
     let glm5 = root.join("glm5");
@@ -884,4 +884,105 @@ fn prefill_indexer_takes_a_block_per_two_tokens_where_they_fill_the_sms() {
     let sizes = "32: every rank every token; 128: every rank every token; 512: across ranks from position 2680 (a second program), every rank every token before; 2048: across ranks from position 1363 (a second program), every rank every token before; 8192: across ranks";
     assert!(c.how.ends_with(sizes), "{c:?}");
     assert!(c.why.contains("2048 from 0: 0 µs saved") && c.why.contains("8192 from 0: "), "{c:?}");
+}
+
+/// `--draft mtp` binds the MTP layer the plan otherwise reports as ignored: draft programs of
+/// every decode batch beside the model's, a fifth KV cache layer, the layer's weights (its
+/// eh_proj as two column halves); and fails naming the culprit where it cannot: a model without
+/// an MTP layer, a missing MTP tensor, and a GPU target, which has no kernel for the layer's BF16
+/// experts and BF16 shared expert yet.
+#[test]
+fn draft_mtp_binds_the_mtp_layer_or_names_what_is_missing() {
+    let root = scratch("draft-mtp");
+    let (plain, mtp) = (root.join("plain"), root.join("mtp"));
+    ok(&["compile", s(tiny()), "--target", "cpu", "--tp", "2", "-o", s(&plain)]);
+    ok(&["compile", s(tiny()), "--target", "cpu", "--tp", "2", "--draft", "mtp", "-o", s(&mtp)]);
+    let (a, b) = (read_plan(&plain).unwrap(), read_plan(&mtp).unwrap());
+    assert!(!a.has_draft() && a.ignored.iter().any(|i| i.contains("MTP")));
+    assert!(b.has_draft() && b.ignored.is_empty(), "{:?}", b.ignored);
+    let names = |p: &Plan, draft: bool| p.programs.iter().filter(|q| q.is_draft() == draft).map(|q| q.name.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&b, false), names(&a, false), "the model's programs are unchanged");
+    assert_eq!(names(&b, true), ["draft_1", "draft_2", "draft_4", "draft_8", "draft_16", "draft_32", "draft_64"]);
+    assert_eq!((a.memory.kv.layers, b.memory.kv.layers), (4, 5));
+    for p in &b.programs {
+        assert!(p.hidden_out.is_some() && p.hidden_in.is_some() == p.is_draft(), "{}", p.name);
+    }
+    let eh: Vec<_> = b.weights.iter().filter(|w| w.name.contains("eh_proj")).collect();
+    assert_eq!(eh.len(), 2, "eh_proj as its two column halves");
+    for (half, w) in eh.iter().enumerate() {
+        assert_eq!(w.sources[0].transform, Transform::Columns { start: (half * 256) as u32, len: 256 });
+        assert_eq!(w.shape, [256, 256]);
+    }
+    let more: u64 = b.weights.iter().map(|w| w.bytes).sum::<u64>() - a.weights.iter().map(|w| w.bytes).sum::<u64>();
+    assert!(more > 0, "the MTP layer's weights");
+
+    // the goldens' bf16 model has no MTP layer
+    let bf16 = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/goldens/bf16/ckpt");
+    fails(&["compile", s(&bf16), "--target", "cpu", "--draft", "mtp", "-o", s(&root.join("x"))], &["num_nextn_predict_layers", "no MTP layer"]);
+    // a checkpoint whose MTP layer lacks a tensor
+    let (ckpt, out) = broken_copy("draft-mtp-missing");
+    let shard = shard_of(&ckpt, "model.layers.4.hnorm.weight");
+    rewrite_shard(&shard, |name, dtype, shape| (name != "model.layers.4.hnorm.weight").then(|| (dtype, shape.to_vec())));
+    fails(&["compile", s(&ckpt), "--target", "cpu", "--draft", "mtp", "-o", s(&out)], &["model.layers.4.hnorm.weight"]);
+    // GPU targets: the BF16 experts have no kernel yet
+    fails(&["compile", s(tiny()), "--target", "sm_120a", "--no-ptxas", "--draft", "mtp", "-o", s(&root.join("gpu"))], &["moe_bf16", "BF16 experts have no template"]);
+}
+
+/// `--draft mtp-nvfp4`: the MTP layer's BF16 routed and shared experts become NVFP4 weights
+/// quantised at bind (codes, block scales and scale_2 from the BF16 tensor, `Transform::Nvfp4`;
+/// each activation scale the same module's of the last decoder layer), so a GPU target compiles:
+/// the draft programs' MoE and shared expert run the NVFP4 kernels. The performance model then
+/// prices the drafts of speculative decoding with the draft programs' own predicted steps.
+#[test]
+fn draft_mtp_nvfp4_compiles_for_gpus_and_prices_the_draft_steps() {
+    use kiln_runtime::plan::{KernelFamily, LinearWeights, Nvfp4Part, Op, TensorChoice};
+    let art = scratch("draft-mtp-nvfp4").join("plan");
+    ok(&["compile", s(tiny()), "--target", "sm_120a", "--tp", "2", "--no-ptxas", "--draft", "mtp-nvfp4", "-o", s(&art)]);
+    let plan = read_plan(&art).unwrap();
+    let tensor = |w: kiln_runtime::plan::WeightId, i: usize| match &plan.weight(w).sources[i].tensor {
+        TensorChoice::Same(t) => plan.tensors[*t as usize].clone(),
+        other => panic!("{other:?}"),
+    };
+    let mut moe = 0;
+    for p in plan.programs.iter().filter(|p| p.is_draft()) {
+        for (step, leaf) in p.steps.iter().flat_map(|s| s.op.leaves().into_iter().map(move |l| (s, l))) {
+            let Op::MoeExperts { gate_up, down, .. } = leaf else { continue };
+            moe += 1;
+            // (a launch merging may have joined it to its neighbour's)
+            assert!(matches!(step.kernel, KernelFamily::MoeNvfp4 | KernelFamily::Merged), "{} {:?}", p.name, step.kernel);
+            assert!(!step.launches.is_empty());
+            for lw in [gate_up, down] {
+                let LinearWeights::Nvfp4 { weight, scale, scale_2, input_scale } = *lw else { panic!("{lw:?}") };
+                for (w, part) in [(weight, Nvfp4Part::Codes), (scale, Nvfp4Part::Scales), (scale_2, Nvfp4Part::Scale2)] {
+                    assert_eq!(plan.weight(w).sources[0].transform, Transform::Nvfp4(part));
+                    let t = tensor(w, 0);
+                    assert!(t.name.starts_with("model.layers.4.mlp.experts.0.") && t.dtype == DType::BF16, "{t:?}");
+                }
+                let lent = tensor(input_scale, 0);
+                assert!(lent.name.starts_with("model.layers.3.mlp.experts.0.") && lent.name.ends_with(".input_scale"), "{lent:?}");
+            }
+        }
+    }
+    assert_eq!(moe, 7, "one MoE step per draft program");
+
+    // the speculative table's draft steps: the first of batch x (1 + k) rows, k - 1 of batch rows
+    let context = 512;
+    let (k, _) = kiln_runtime::perf::Constants::for_target(&plan.target).unwrap();
+    let rows = kiln_runtime::perf::speculative::rows(&plan, &k, &[context]).unwrap();
+    let draft_ms = |r: usize| kiln_runtime::perf::program_step_us(&plan, plan.draft_program(r).unwrap(), context).unwrap() / 1e3;
+    for (drafts, want) in [(1, draft_ms(2)), (3, draft_ms(4) + 2.0 * draft_ms(1))] {
+        let row = rows.iter().find(|r| r.batch == 1 && r.drafts == drafts).unwrap();
+        let got = row.draft_ms_p2p.unwrap();
+        assert!((got - want).abs() < 1e-9, "{drafts} drafts: {got} ms, by hand {want}");
+        let with = row.tokens_per_s_p2p_with_draft.as_ref().unwrap();
+        let a = kiln_runtime::perf::speculative::ACCEPTANCE[1];
+        let by_hand = kiln_runtime::perf::speculative::expected_tokens(a, drafts) / (row.step_ms_p2p + want) * 1e3;
+        assert!((with[1] - by_hand).abs() < 1e-6 * by_hand, "{} against {by_hand}", with[1]);
+        assert!(with[1] < row.tokens_per_s_p2p[1], "the draft steps cost time");
+    }
+    // a plan without a draft model has no draft figures
+    let plain = scratch("draft-none").join("plan");
+    ok(&["compile", s(tiny()), "--target", "sm_120a", "--tp", "2", "--no-ptxas", "-o", s(&plain)]);
+    let plain = read_plan(&plain).unwrap();
+    assert!(kiln_runtime::perf::speculative::rows(&plain, &k, &[context]).unwrap().iter().all(|r| r.draft_ms_p2p.is_none()));
 }

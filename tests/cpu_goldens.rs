@@ -310,3 +310,58 @@ fn nvfp4_edge_vectors_are_bit_exact() {
         }
     }
 }
+
+/// The draft model (`--draft mtp`) against transformers' modules composed as the serving engines
+/// run GLM-5's MTP layer (tests/oracle/make_mtp_golden.py): the bf16 case's model plus one MTP
+/// layer, its checkpoint assembled from both directories as festr2/GLM-5-NVFP4-MTP ships layer 78
+/// (`mtp.safetensors` beside the main shards). kiln prefills the prompt, takes every position's
+/// final normed hidden state, and runs the draft program over positions 0..n-2 with the tokens
+/// at 1..n-1: every row's draft logits and draft hidden state within [`F32_TOL`] of the golden
+/// (fp32 both sides; index_topk 8 < 23 positions, so the draft layer's own indexer selects), at
+/// TP 1, 2 and 4 (the embedding and lm_head vocab-split and shared with the model, the draft
+/// layer sharded like the others). The same rows drafted one position per step (the draft
+/// layer's KV cache growing as in decoding) give the same bits.
+#[test]
+fn mtp_draft_matches_transformers() {
+    use kiln_runtime::session::{DecodeRow, Runner};
+    let dir = goldens().join("bf16_mtp");
+    let ckpt = scratch("mtp-ckpt");
+    for f in ["config.json", "model.safetensors.index.json", "mtp.safetensors"] {
+        std::fs::copy(dir.join(f), ckpt.join(f)).unwrap();
+    }
+    std::fs::copy(goldens().join("bf16/ckpt/model.safetensors"), ckpt.join("model.safetensors")).unwrap();
+    let file = dir.join("golden.safetensors");
+    let ids: Vec<u32> = tensor(&file, "ids").1.iter().map(|&v| v as u32).collect();
+    let (shape, want_main) = tensor(&file, "logits_bf16");
+    let vocab = shape[1];
+    let (_, want_logits) = tensor(&file, "mtp_logits");
+    let (hshape, want_hidden) = tensor(&file, "mtp_hidden");
+    let (n, h) = (ids.len(), hshape[1]);
+    assert_eq!(hshape[0], n - 1);
+    for tp in [1, 2, 4] {
+        let art = scratch(&format!("mtp-tp{tp}"));
+        kiln(&["compile", s(&ckpt), "--target", "cpu", "--tp", &tp.to_string(), "--draft", "mtp", "-o", s(&art)]);
+        let opts = SessionOptions { cpu: CpuOptions { precision: Precision::F32, act_quant: ActQuant::W4A16, attention: None }, ..Default::default() };
+        let mut runner = Runner::open(&art, None, opts).unwrap();
+        let pages: Vec<u32> = (0..n.div_ceil(runner.page_size()) as u32).collect();
+        let main = runner.prefill(&pages, 0, &ids, LogitRows::All).unwrap().iter().map(|&v| v as f64).collect::<Vec<_>>();
+        let (errs, _) = compare(&main, &want_main, vocab);
+        assert!(max(&errs) <= F32_TOL, "tp{tp}: the model's logits {errs:?}");
+        let hidden = runner.hidden().expect("a draft plan on the CPU keeps the hidden rows").to_vec();
+        assert_eq!(hidden.len(), n * h);
+        let rows: Vec<DecodeRow> = (0..n - 1).map(|p| DecodeRow { pages: &pages, pos: p, token: ids[p + 1] }).collect();
+        let logits = runner.draft(&rows, &hidden[..(n - 1) * h]).unwrap().to_vec();
+        let draft_hidden = runner.hidden().unwrap().to_vec();
+        let (errs, top1) = compare(&logits.iter().map(|&v| v as f64).collect::<Vec<_>>(), &want_logits, vocab);
+        let (herrs, _) = compare(&draft_hidden.iter().map(|&v| v as f64).collect::<Vec<_>>(), &want_hidden, h);
+        eprintln!("mtp tp{tp} f32: draft logits max {:.2e}, median {:.2e}, top-1 {top1}; hidden max {:.2e}", max(&errs), median(&errs), max(&herrs));
+        assert!(max(&errs) <= F32_TOL, "tp{tp}: draft logits per-position errors {errs:?}");
+        assert!(max(&herrs) <= F32_TOL, "tp{tp}: draft hidden per-position errors {herrs:?}");
+        // one position per step: the draft layer's KV written step by step
+        let mut stepped = Vec::new();
+        for (p, row) in rows.iter().enumerate() {
+            stepped.extend_from_slice(runner.draft(std::slice::from_ref(row), &hidden[p * h..(p + 1) * h]).unwrap());
+        }
+        assert!(stepped == logits, "tp{tp}: drafting one position a step differs from all rows in one call");
+    }
+}

@@ -544,7 +544,7 @@ fn grouped_bf16_linears_match_the_cpu_member_by_member() {
     .enumerate()
     {
         let n: usize = members.iter().map(|&(r, _)| r).sum();
-        let (picked, _) = kiln_compiler::passes::lower::bf16_gemm_form(m, n, k, x_bf16, &Constants::SM120A);
+        let (picked, _) = kiln_compiler::passes::lower::bf16_gemm_form(m, n, k, x_bf16, false, &Constants::SM120A);
         let forms = [split_k(picked.mt.max(1), if picked.split == 1 { picked.nt } else { 4 }, picked.ks), split(m.div_ceil(16).min(4) as u32, 4)];
         for f in forms {
             assert!(bf16_group_case(m, k, members, x_bf16, f, 0, 900 + i as u64), "group {i} {f:?} differs from the CPU");
@@ -673,12 +673,13 @@ fn glm5_prefill_shapes_assemble_without_spills() {
             }
         }
     }
-    // BF16: q_a (6144 -> 2048), o_proj (2048 -> 6144), kv_a (6144 -> 576), lm_head (6144 -> 154880 / 8).
+    // BF16: q_a (6144 -> 2048), o_proj (2048 -> 6144), kv_a (6144 -> 576), lm_head (6144 -> 154880 / 8),
+    // the MTP layer's eh_proj halves at TP 8 (6144 -> 768, F32 out).
     for (arch, m) in [120, 90].into_iter().flat_map(|a| [1u32, 16, 32, 33, 64, 2048, 8192].map(|m| (a, m))) {
-        for &(n, k) in &[(2048u32, 6144u32), (6144, 2048), (576, 6144), (19360, 6144), (40, 80), (150, 1040)] {
+        for &(n, k) in &[(2048u32, 6144u32), (6144, 2048), (576, 6144), (19360, 6144), (768, 6144), (40, 80), (150, 1040)] {
             for (x_bf16, out_bf16) in [(1, 1), (1, 0), (0, 0)] {
                 // as lowering picks them (188 SMs)
-                let (picked, _) = bf16_gemm_form(m as usize, n as usize, k as usize, x_bf16 == 1, &Constants::SM120A);
+                let (picked, _) = bf16_gemm_form(m as usize, n as usize, k as usize, x_bf16 == 1, out_bf16 == 0, &Constants::SM120A);
                 let f = if picked.split == 1 {
                     split_k(picked.mt, picked.nt, picked.ks)
                 } else if picked.mt == 8 {

@@ -19,12 +19,20 @@ fn kiln(args: &[&str]) {
 
 /// The tiny model compiled for a 1,024-token context.
 fn artifact(name: &str) -> PathBuf {
+    artifact_with(name, &[])
+}
+
+/// [`artifact`] with more compile flags (`--draft mtp`: the tiny model's MTP layer as a draft).
+fn artifact_with(name: &str, flags: &[&str]) -> PathBuf {
     let root = std::env::temp_dir().join(format!("kiln-test-{}-serving-{name}", std::process::id()));
     let (ckpt, art) = (root.join("ckpt"), root.join("plan"));
     let s = |p: &Path| p.to_str().unwrap().to_string();
     kiln(&["synth", "tiny", "-o", &s(&ckpt)]);
-    kiln(&["compile", &s(&ckpt), "--target", "cpu", "--max-context", "1024", "--decode-batches", "1,2,4,8", "--prefill-chunk", "64", "-o", &s(&art)]);
-    art
+    let (ckpt, art) = (s(&ckpt), s(&art));
+    let mut args = vec!["compile", &ckpt, "--target", "cpu", "--max-context", "1024", "--decode-batches", "1,2,4,8", "--prefill-chunk", "64", "-o", &art];
+    args.extend_from_slice(flags);
+    kiln(&args);
+    PathBuf::from(art)
 }
 
 /// Every attention step in the absorbed form, prefill included (see the last test for why).
@@ -86,8 +94,12 @@ fn eight_unbounded_requests_on_a_small_pool_are_preempted_and_finish_unchanged()
     // Together on a 2,048-token pool: eight requests that each grow to 1,024 tokens cannot all
     // hold their pages, so the youngest are preempted and recomputed by prefill on resume.
     // (and with prompt-lookup drafts, whose pages come only from free ones on this dry pool)
-    for (prefix_cache, speculation) in [(false, None), (true, None), (true, Some(NgramSpeculation::new(3)))] {
-        let small = engine(&art, EngineOptions { max_total_tokens: Some(2048), prefix_cache, speculation, ..EngineOptions::default() });
+    // (and with the MTP layer's drafts, whose draft layer is fed again after each preemption)
+    let mtp_art = artifact_with("preempt-mtp", &["--draft", "mtp"]);
+    let cases = [(false, None, None), (true, None, None), (true, Some(NgramSpeculation::new(3)), None), (true, None, Some(2))];
+    for (prefix_cache, speculation, draft_model) in cases {
+        let art = if draft_model.is_some() { &mtp_art } else { &art };
+        let small = engine(art, EngineOptions { max_total_tokens: Some(2048), prefix_cache, speculation, draft_model, ..EngineOptions::default() });
         assert_eq!(small.limits.total_pages * small.limits.page_size, 2048);
         let rxs: Vec<_> = prompts.iter().map(|p| submit(&small, unbounded(p.clone(), context))).collect();
         for (i, rx) in rxs.into_iter().enumerate() {
@@ -95,12 +107,12 @@ fn eight_unbounded_requests_on_a_small_pool_are_preempted_and_finish_unchanged()
             assert_eq!(o.reason, FinishReason::Length);
             assert_eq!(prompts[i].len() + o.tokens.len(), context, "request {i} ends at the context limit");
             let first_diff = o.tokens.iter().zip(&alone[i]).position(|(a, b)| a != b);
-            assert_eq!(first_diff, None, "request {i} (prefix cache {prefix_cache}, speculation {speculation:?}) differs from running alone");
+            assert_eq!(first_diff, None, "request {i} (prefix cache {prefix_cache}, speculation {speculation:?}, draft model {draft_model:?}) differs from running alone");
         }
         let preemptions = small.stats.preemptions.load(Ordering::Relaxed);
         let drafts = small.stats.draft_tokens.load(Ordering::Relaxed);
         eprintln!("prefix cache {prefix_cache}: {preemptions} preemptions, {drafts} drafts");
-        assert_eq!(drafts > 0, speculation.is_some());
+        assert_eq!(drafts > 0, speculation.is_some() || draft_model.is_some());
         assert!(preemptions >= 4, "8 x 1,024 tokens on a 2,048-token pool must preempt, got {preemptions}");
         // The last Finished event can arrive just before the engine releases that sequence.
         let t = std::time::Instant::now();
@@ -220,4 +232,16 @@ fn speculative_decoding_serves_what_plain_decoding_serves() {
     eprintln!("{drafted} drafts, {accepted} accepted");
     assert_eq!(got, want);
     assert!(drafted > 0, "no drafts were made");
+
+    // the tiny model's MTP layer as the draft model (random weights: its drafts are mostly
+    // wrong, which the output must not show); the draft plan's own programs serve the same
+    let art = artifact_with("speculative-mtp", &["--draft", "mtp"]);
+    for draft_model in [None, Some(3)] {
+        let mtp = engine(&art, EngineOptions { draft_model, ..EngineOptions::default() });
+        let got: Vec<Vec<u32>> = requests().into_iter().map(|r| outcome(submit(&mtp, r)).tokens).collect();
+        let (drafted, accepted) = (mtp.stats.draft_tokens.load(Ordering::Relaxed), mtp.stats.accepted_draft_tokens.load(Ordering::Relaxed));
+        eprintln!("draft model {draft_model:?}: {drafted} drafts, {accepted} accepted");
+        assert_eq!(got, want, "draft model {draft_model:?}");
+        assert_eq!(drafted > 0, draft_model.is_some());
+    }
 }

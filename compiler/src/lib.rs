@@ -17,6 +17,7 @@ pub mod synth;
 pub mod targets;
 
 pub use error::CompileError;
+pub use graph::Draft;
 
 use checkpoint::Checkpoint;
 use kiln_runtime::plan::{MoeParallel, Parallelism, Plan, FORMAT_VERSION};
@@ -53,6 +54,9 @@ pub struct CompileOptions {
     pub assemble: bool,
     /// Merge the launches of adjacent independent decode steps (`passes/merge.rs`).
     pub merge_launches: bool,
+    /// The draft model compiled beside the model for speculative decoding (`Draft::Mtp`: the
+    /// checkpoint's MTP layer, as `draft_{batch}` programs).
+    pub draft: Draft,
 }
 
 impl Default for CompileOptions {
@@ -71,6 +75,7 @@ impl Default for CompileOptions {
             max_context: None,
             assemble: true,
             merge_launches: true,
+            draft: Draft::None,
         }
     }
 }
@@ -132,7 +137,7 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
         }
     }
 
-    let graph = graph::build_graph(&ckpt, &cfg)?;
+    let graph = graph::build_graph(&ckpt, &cfg, opts.draft)?;
     let parallel = Parallelism { tp: opts.tp, moe: opts.moe };
     // a CPU plan splits what the product target would (the bits are the same either way)
     let consts = kiln_runtime::perf::Constants::for_target(&target).map_or(kiln_runtime::perf::Constants::SM120A, |(k, _)| k);
@@ -141,7 +146,7 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
     let split = shard::SplitPolicy { projections: opts.split_projections, copies: opts.prefill_copies, consts, max_batch, prefill_chunk: chunk };
     let sharded = shard::shard(graph, &cfg, &parallel, &split)?;
     let pages_per_seq = max_context.div_ceil(memory::KV_PAGE_SIZE);
-    let probe = specialize::Bucket { kind: kiln_runtime::plan::ProgramKind::Decode { batch: 1 }, tokens: 1, seqs: 1, logit_rows: 1, pages_per_seq };
+    let probe = specialize::Bucket { kind: kiln_runtime::plan::ProgramKind::Decode { batch: 1 }, tokens: 1, seqs: 1, logit_rows: 1, pages_per_seq, draft: false };
     let mut slots = sharded.slots;
     verify::program("shard", &specialize::specialize(&sharded.graph, &probe), &slots, &cfg, opts.tp)?;
 
@@ -149,7 +154,8 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
     batches.sort_unstable();
     batches.dedup();
     let chunks = prefill_buckets(chunk);
-    let buckets = specialize::buckets(&chunks, &batches, cfg.vocab_size, pages_per_seq);
+    let draft = sharded.graph.draft.is_some();
+    let buckets = specialize::buckets(&chunks, &batches, cfg.vocab_size, pages_per_seq, draft);
     // prefill programs run the steps with the whole copies where there are any
     let graph_for = |b: &specialize::Bucket| match (&b.kind, &sharded.prefill_graph) {
         (kiln_runtime::plan::ProgramKind::Prefill { .. }, Some(g)) => g,
@@ -164,7 +170,8 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
     let weights = memory::plan_weights(&mut slots);
     let workspace = programs.iter_mut().map(memory::plan_workspace).max().unwrap_or(0);
     let headroom = opts.headroom.unwrap_or_else(|| targets::default_headroom(&target));
-    let kv = memory::KvRequest { page_size: memory::KV_PAGE_SIZE, max_seqs: *batches.last().expect("non-empty"), max_context };
+    let layers = cfg.num_hidden_layers + usize::from(draft);
+    let kv = memory::KvRequest { page_size: memory::KV_PAGE_SIZE, max_seqs: *batches.last().expect("non-empty"), max_context, layers };
     let mem = memory::plan_memory(&cfg, &target, headroom, weights, workspace, &kv)?;
     verify::memory(&slots, &programs, &mem)?;
 

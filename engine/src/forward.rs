@@ -41,6 +41,24 @@ pub trait Forward: Send {
         let _ = rows;
         None
     }
+    /// The width of the hidden rows the plan's draft model takes (`kiln compile --draft mtp`),
+    /// where the backend can run it; None: no draft model.
+    fn draft_hidden_size(&self) -> Option<usize> {
+        None
+    }
+    /// With a draft model: the final normed hidden rows of every token of the last `prefill`
+    /// or `decode` call, `[tokens, draft_hidden_size]`.
+    fn hidden_rows(&self) -> Vec<f32> {
+        Vec::new()
+    }
+    /// One step of the draft model: item i is the token at `pos + 1` of its sequence and
+    /// `hidden` row i the hidden state at `pos` (the model's, or the draft's own from its
+    /// previous step); each row writes the draft layer's KV at `pos`. Returns the draft's
+    /// `[items.len(), vocab_size]` logits (for the token at `pos + 2`) and its own hidden rows.
+    fn draft(&mut self, items: &[DecodeItem<'_>], hidden: &[f32]) -> Result<(Vec<f32>, Vec<f32>), String> {
+        let _ = (items, hidden);
+        Err("the plan has no draft model".into())
+    }
     /// Why the backend can serve nothing any more (a GPU fault), once that has happened.
     fn failure(&self) -> Option<String> {
         None
@@ -83,6 +101,17 @@ impl Forward for Runner {
     fn decode(&mut self, items: &[DecodeItem<'_>]) -> Result<Vec<f32>, String> {
         let rows: Vec<DecodeRow> = items.iter().map(|i| DecodeRow { pages: i.pages, pos: i.pos, token: i.token }).collect();
         Runner::decode(self, &rows).map(<[f32]>::to_vec).map_err(|e| e.to_string())
+    }
+    fn draft_hidden_size(&self) -> Option<usize> {
+        self.hidden().map(|_| self.plan().model.hidden_size)
+    }
+    fn hidden_rows(&self) -> Vec<f32> {
+        self.hidden().map(<[f32]>::to_vec).unwrap_or_default()
+    }
+    fn draft(&mut self, items: &[DecodeItem<'_>], hidden: &[f32]) -> Result<(Vec<f32>, Vec<f32>), String> {
+        let rows: Vec<DecodeRow> = items.iter().map(|i| DecodeRow { pages: i.pages, pos: i.pos, token: i.token }).collect();
+        let logits = Runner::draft(self, &rows, hidden).map_err(|e| e.to_string())?.to_vec();
+        Ok((logits, self.hidden().map(<[f32]>::to_vec).unwrap_or_default()))
     }
     /// The plan's predicted step times (GPU plans; a CPU plan has none).
     fn decode_cost(&mut self, rows: usize) -> Option<f64> {

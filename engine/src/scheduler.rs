@@ -93,11 +93,15 @@ pub struct EngineOptions {
     /// Speculative decoding with drafts from each sequence's own text, in the rows a decode
     /// batch has to spare; None: one token per sequence and step.
     pub speculation: Option<NgramSpeculation>,
+    /// Speculative decoding with up to this many drafts per sequence and step from the plan's
+    /// draft model (`kiln compile --draft mtp`; [`Forward::draft`]), in place of `speculation`.
+    /// Ignored where the backend has no draft model.
+    pub draft_model: Option<usize>,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { max_waiting: 256, max_total_tokens: None, prefix_cache: true, speculation: None }
+        EngineOptions { max_waiting: 256, max_total_tokens: None, prefix_cache: true, speculation: None, draft_model: None }
     }
 }
 
@@ -205,12 +209,15 @@ struct Engine {
     running: Vec<Sequence>,
     arrivals: u64,
     speculation: Option<NgramSpeculation>,
+    /// Drafts per sequence from the draft model, and the width of its hidden rows.
+    draft_model: Option<(usize, usize)>,
 }
 
 impl Engine {
     fn new(model: Box<dyn Forward>, stats: Arc<EngineStats>, limits: Limits, options: EngineOptions) -> Engine {
         let pool = PagePool::new(limits.total_pages, limits.page_size, options.prefix_cache);
-        Engine { model, stats, limits, pool, waiting: VecDeque::new(), running: Vec::new(), arrivals: 0, speculation: options.speculation }
+        let draft_model = options.draft_model.filter(|&k| k > 0).zip(model.draft_hidden_size());
+        Engine { model, stats, limits, pool, waiting: VecDeque::new(), running: Vec::new(), arrivals: 0, speculation: options.speculation, draft_model }
     }
 
     fn run(mut self, rx: mpsc::Receiver<Submission>) {
@@ -271,6 +278,9 @@ impl Engine {
             self.pool.retain(&found.pages);
             s.registered = found.pages.len();
             s.cached = found.pages.len() * ps;
+            // a cached prefix's draft KV is as its first owner left it (a guess, like any draft's)
+            s.draft_cached = s.cached;
+            s.draft_hidden.clear();
             s.pages = found.pages;
             s.pages.extend(self.pool.alloc(need).expect("counted above"));
             s.chain = found.hash;
@@ -312,8 +322,16 @@ impl Engine {
         let result = self.model.prefill(&s.pages, s.cached, &s.tokens[s.cached..end]);
         match result {
             Ok(logits) => {
+                if self.draft_model.is_some() {
+                    s.draft_hidden.extend(self.model.hidden_rows());
+                }
                 s.cached = end;
-                if end == s.tokens.len() && self.non_finite(i, &logits) {
+                let complete = end == s.tokens.len();
+                if let Err(e) = self.draft_catch_up(i) {
+                    self.fail(i, e);
+                    return;
+                }
+                if complete && self.non_finite(i, &logits) {
                     return;
                 }
                 let s = &mut self.running[i];
@@ -379,6 +397,23 @@ impl Engine {
         self.waiting.push_front(s);
     }
 
+    /// The draft model takes in sequence `i`'s positions whose next token is known (a prompt's,
+    /// during its prefill): their draft KV from the model's hidden rows, logits unused.
+    fn draft_catch_up(&mut self, i: usize) -> Result<(), String> {
+        let Some((_, h)) = self.draft_model else { return Ok(()) };
+        let s = &mut self.running[i];
+        let end = s.cached.min(s.tokens.len() - 1);
+        if end <= s.draft_cached {
+            return Ok(());
+        }
+        let items: Vec<DecodeItem> = (s.draft_cached..end).map(|p| DecodeItem { pages: &s.pages, pos: p, token: s.tokens[p + 1] }).collect();
+        let rows = items.len();
+        self.model.draft(&items, &s.draft_hidden[..rows * h])?;
+        s.draft_hidden.drain(..rows * h);
+        s.draft_cached = end;
+        Ok(())
+    }
+
     /// One token for every decoding sequence, in plan-sized batches (with speculation, up to
     /// one more for each of its drafts the model chooses).
     fn decode_step(&mut self) {
@@ -392,6 +427,7 @@ impl Engine {
         while !ready.is_empty() {
             let batch: Vec<u64> = ready.drain(..batch_size.min(ready.len())).collect();
             let drafts = self.drafts(&batch, batch_size);
+            let cached: Vec<usize> = batch.iter().map(|&a| self.running.iter().find(|s| s.arrival == a).map_or(0, |s| s.cached)).collect();
             let index = |running: &[Sequence], a: u64| running.iter().position(|s| s.arrival == a).expect("decoding sequences stay running during a step");
             // a sequence's rows: its token at `cached`, then each draft at the next position
             let items: Vec<DecodeItem> = batch
@@ -408,10 +444,17 @@ impl Engine {
             let result = self.model.decode(&items);
             match result {
                 Ok(logits) => {
+                    let hidden = if self.draft_model.is_some() { self.model.hidden_rows() } else { Vec::new() };
                     let mut first = 0;
-                    for (&a, draft) in batch.iter().zip(&drafts) {
+                    for ((&a, draft), &before) in batch.iter().zip(&drafts).zip(&cached) {
                         let rows = 1 + draft.len();
                         self.accept(a, draft, &logits[first * vocab..(first + rows) * vocab]);
+                        // the hidden rows of the positions now cached: the rows whose token
+                        // was the sequence's (not a rejected draft)
+                        if let (Some((_, h)), Some(s)) = (self.draft_model, self.running.iter_mut().find(|s| s.arrival == a)) {
+                            let kept = s.cached.saturating_sub(before).min(rows);
+                            s.draft_hidden.extend_from_slice(&hidden[first * h..(first + kept) * h]);
+                        }
                         first += rows;
                     }
                 }
@@ -433,20 +476,14 @@ impl Engine {
     /// given the pages its positions need from the free ones (a guess never evicts a cached page
     /// or preempts).
     fn drafts(&mut self, batch: &[u64], rows: usize) -> Vec<Vec<u32>> {
+        if let Some((max_draft, _)) = self.draft_model {
+            return self.model_drafts(batch, rows, max_draft);
+        }
         let Some(spec) = self.speculation else { return vec![Vec::new(); batch.len()] };
-        let ps = self.pool.page_size();
         let spare = rows.saturating_sub(batch.len());
         let free = self.pool.available() - self.pool.cached_idle();
         let at: Vec<usize> = batch.iter().map(|&a| self.running.iter().position(|s| s.arrival == a).expect("decoding sequences stay running during a step")).collect();
-        let proposals: Vec<Vec<u32>> = at
-            .iter()
-            .map(|&i| {
-                let s = &self.running[i];
-                let emits = s.limit.saturating_sub(s.tokens.len()).min(s.request.max_tokens.saturating_sub(s.generated()));
-                let fits = ((s.pages.len() + free) * ps).saturating_sub(s.cached + 1);
-                spec.propose(&s.tokens, spare.min(emits.saturating_sub(1)).min(fits))
-            })
-            .collect();
+        let proposals: Vec<Vec<u32>> = at.iter().map(|&i| spec.propose(&self.running[i].tokens, self.draft_room(i, spare, free))).collect();
         let gains: Vec<Vec<f64>> = at
             .iter()
             .zip(&proposals)
@@ -462,18 +499,130 @@ impl Engine {
             .zip(counts)
             .map(|((i, mut draft), keep)| {
                 draft.truncate(keep);
-                let s = &self.running[i];
-                let more = ((s.cached + draft.len()) / ps + 1).saturating_sub(s.pages.len());
-                if more > 0 {
-                    match self.pool.alloc(more) {
-                        Some(pages) => self.running[i].pages.extend(pages),
-                        None => draft.clear(),
-                    }
+                if !self.draft_pages(i, draft.len()) {
+                    draft.clear();
                 }
                 self.stats.draft_tokens.fetch_add(draft.len() as u64, Ordering::Relaxed);
                 draft
             })
             .collect()
+    }
+
+    /// How many drafts sequence `i` may run in a step with `spare` rows and `free` free pages:
+    /// one token fewer than it may still emit, at positions its pages and the free ones hold.
+    fn draft_room(&self, i: usize, spare: usize, free: usize) -> usize {
+        let s = &self.running[i];
+        let emits = s.limit.saturating_sub(s.tokens.len()).min(s.request.max_tokens.saturating_sub(s.generated()));
+        let fits = ((s.pages.len() + free) * self.pool.page_size()).saturating_sub(s.cached + 1);
+        spare.min(emits.saturating_sub(1)).min(fits)
+    }
+
+    /// Gives sequence `i` the pages `n` drafts' positions need, from the free ones (a guess
+    /// never evicts a cached page or preempts); false where there are not enough.
+    fn draft_pages(&mut self, i: usize, n: usize) -> bool {
+        let s = &self.running[i];
+        let more = ((s.cached + n) / self.pool.page_size() + 1).saturating_sub(s.pages.len());
+        if more == 0 {
+            return true;
+        }
+        match self.pool.alloc(more) {
+            Some(pages) => {
+                self.running[i].pages.extend(pages);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The drafts of a decode batch's sequences from the draft model: how many each gets is
+    /// decided as for prompt lookup (positions, pages, acceptance so far and the step's cost:
+    /// [`draft_counts`]); then one draft step takes in every sequence's positions not yet in
+    /// the draft layer (the model's hidden rows beside the tokens after them), whose last row
+    /// gives the first draft, and each further draft is one more step of the sequences still
+    /// drafting, from the draft's own hidden row and the draft before it. Drafts are the draft
+    /// model's most likely tokens; the model's own choice decides what is kept (`accept`). A
+    /// draft step that fails leaves the batch without drafts.
+    fn model_drafts(&mut self, batch: &[u64], rows: usize, max_draft: usize) -> Vec<Vec<u32>> {
+        let h = self.draft_model.map_or(0, |(_, h)| h);
+        let spare = rows.saturating_sub(batch.len());
+        let free = self.pool.available() - self.pool.cached_idle();
+        let at: Vec<usize> = batch.iter().map(|&a| self.running.iter().position(|s| s.arrival == a).expect("decoding sequences stay running during a step")).collect();
+        let gains: Vec<Vec<f64>> = at
+            .iter()
+            .map(|&i| {
+                let a = self.running[i].draft_acceptance();
+                (1..=max_draft.min(self.draft_room(i, spare, free))).map(|n| a.powi(n as i32)).collect()
+            })
+            .collect();
+        let model = &mut self.model;
+        let mut counts = draft_counts(batch.len(), &gains, rows, |r| model.decode_cost(r));
+        for (&i, n) in at.iter().zip(counts.iter_mut()) {
+            if !self.draft_pages(i, *n) {
+                *n = 0;
+            }
+        }
+        let mut drafts = vec![Vec::new(); batch.len()];
+        match self.run_drafts(&at, &counts, h) {
+            Ok(d) => drafts = d,
+            Err(e) => eprintln!("kiln: a draft model step failed, decoding without drafts: {e}"),
+        }
+        let made: usize = drafts.iter().map(Vec::len).sum();
+        self.stats.draft_tokens.fetch_add(made as u64, Ordering::Relaxed);
+        drafts
+    }
+
+    /// The draft steps of [`Engine::model_drafts`]: `counts[j]` drafts for sequence `at[j]`.
+    fn run_drafts(&mut self, at: &[usize], counts: &[usize], h: usize) -> Result<Vec<Vec<u32>>, String> {
+        let vocab = self.limits.vocab_size;
+        let argmax = |row: &[f32]| row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(t, _)| t as u32);
+        // first step: every sequence's positions not yet in the draft layer
+        let mut items = Vec::new();
+        let mut hidden = Vec::new();
+        let mut last_row = Vec::new();
+        for &i in at {
+            let s = &self.running[i];
+            items.extend((s.draft_cached..s.cached).map(|p| DecodeItem { pages: &s.pages, pos: p, token: s.tokens[p + 1] }));
+            hidden.extend_from_slice(&s.draft_hidden);
+            last_row.push(items.len().checked_sub(1).filter(|_| s.cached > s.draft_cached));
+        }
+        if items.is_empty() {
+            return Ok(vec![Vec::new(); at.len()]);
+        }
+        let (logits, out) = self.model.draft(&items, &hidden)?;
+        for &i in at {
+            let s = &mut self.running[i];
+            s.draft_cached = s.cached;
+            s.draft_hidden.clear();
+        }
+        let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); at.len()];
+        let mut chain: Vec<Vec<f32>> = vec![Vec::new(); at.len()];
+        for (j, row) in last_row.iter().enumerate() {
+            if let (Some(r), true) = (*row, counts[j] > 0) {
+                drafts[j].push(argmax(&logits[r * vocab..(r + 1) * vocab]));
+                chain[j] = out[r * h..(r + 1) * h].to_vec();
+            }
+        }
+        // each further draft: the draft before it at the next position, from the draft's hidden
+        for step in 1..counts.iter().copied().max().unwrap_or(0) {
+            let going: Vec<usize> = (0..at.len()).filter(|&j| counts[j] > step && drafts[j].len() == step).collect();
+            if going.is_empty() {
+                break;
+            }
+            let items: Vec<DecodeItem> = going
+                .iter()
+                .map(|&j| {
+                    let s = &self.running[at[j]];
+                    DecodeItem { pages: &s.pages, pos: s.cached + step - 1, token: drafts[j][step - 1] }
+                })
+                .collect();
+            let hidden: Vec<f32> = going.iter().flat_map(|&j| chain[j].iter().copied()).collect();
+            let (logits, out) = self.model.draft(&items, &hidden)?;
+            for (r, &j) in going.iter().enumerate() {
+                drafts[j].push(argmax(&logits[r * vocab..(r + 1) * vocab]));
+                chain[j] = out[r * h..(r + 1) * h].to_vec();
+            }
+        }
+        Ok(drafts)
     }
 
     /// Sequence `a`'s logit rows of a step, in order: each chooses the next token as a step of

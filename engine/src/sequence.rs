@@ -36,6 +36,12 @@ pub struct Sequence {
     /// Speculative drafts the model's choice was compared with, and those it equalled.
     drafts_tested: u32,
     drafts_accepted: u32,
+    /// With a draft model: positions below this have the draft layer's KV computed from the
+    /// model's own hidden states (a cached prefix's as its first owner left it).
+    pub draft_cached: usize,
+    /// The model's hidden rows of positions `draft_cached..cached`, which the draft layer has
+    /// still to take in (each beside the token after it).
+    pub draft_hidden: Vec<f32>,
     sampler: Sampler,
     history: Option<TokenHistory>,
     /// Scratch row for penalties and masks, reused every step.
@@ -62,6 +68,8 @@ impl Sequence {
             limit,
             drafts_tested: 0,
             drafts_accepted: 0,
+            draft_cached: 0,
+            draft_hidden: Vec::new(),
             history,
             row: Vec::new(),
         }
@@ -105,6 +113,8 @@ impl Sequence {
         self.registered = 0;
         self.chain = ROOT_HASH;
         self.phase = Phase::Prefill;
+        self.draft_cached = 0;
+        self.draft_hidden.clear();
     }
 
     /// Chooses the next token from the model's `logits` row. Err: the constraint failed.

@@ -3,7 +3,7 @@
 //! each rank's weights arena by slicing every source per its `Shard` into its slot.
 
 use crate::error::{RuntimeError, TensorMismatch};
-use crate::plan::{fingerprint, DType, Plan, Shard, TensorInfo, Transform, WeightSlot};
+use crate::plan::{fingerprint, DType, Nvfp4Part, Plan, Shard, TensorInfo, Transform, WeightSlot};
 use crate::safetensors::{read_header, TensorHeader};
 use memmap2::Mmap;
 use std::collections::HashMap;
@@ -257,8 +257,15 @@ pub fn fill_slot_region(plan: &Plan, files: &CheckpointFiles, slot: &WeightSlot,
         let data = files
             .data(&info.name)
             .ok_or_else(|| RuntimeError::internal(format!("tensor `{}` vanished after the check", info.name)))?;
-        let Transform::Identity = src.transform;
         let dst = src.dst_offset as usize;
+        let derived;
+        let (data, info) = match src.transform {
+            Transform::Identity => (data, info),
+            transform => {
+                derived = transformed(data, info, transform).map_err(|m| RuntimeError::internal(format!("slot `{}` from `{}`: {m}", slot.name, info.name)))?;
+                (&derived.0[..], &derived.1)
+            }
+        };
         let piece = copy_shard(data, info, src.shard, rank, region.get_mut(dst..).unwrap_or_default())
             .map_err(|m| RuntimeError::internal(format!("slot `{}` from `{}`: {m}", slot.name, info.name)))?;
         if dst + piece > region.len() {
@@ -266,6 +273,49 @@ pub fn fill_slot_region(plan: &Plan, files: &CheckpointFiles, slot: &WeightSlot,
         }
     }
     Ok(())
+}
+
+/// What a source's transform makes of a tensor, as a tensor of its own (before the shard).
+fn transformed(data: &[u8], info: &TensorInfo, transform: Transform) -> Result<(Vec<u8>, TensorInfo), String> {
+    match transform {
+        Transform::Identity => Ok((data.to_vec(), info.clone())),
+        Transform::Columns { start, len } => column_slice(data, info, start as usize, len as usize),
+        Transform::Nvfp4(part) => nvfp4_part(data, info, part),
+    }
+}
+
+/// One part of the ModelOpt NVFP4 quantisation of a BF16 `[n, k]` tensor.
+pub fn nvfp4_part(data: &[u8], info: &TensorInfo, part: Nvfp4Part) -> Result<(Vec<u8>, TensorInfo), String> {
+    let (&[n, k], DType::BF16) = (&info.shape[..], info.dtype) else {
+        return Err(format!("NVFP4 quantisation of a {:?} {:?} tensor (takes a 2-d BF16 one)", info.dtype, info.shape));
+    };
+    if k % 16 != 0 {
+        return Err(format!("NVFP4 quantisation of [{n}, {k}]: K must be a multiple of 16"));
+    }
+    let w: Vec<f32> = data.chunks_exact(2).map(|b| crate::numerics::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
+    let (codes, scales, scale_2) = crate::numerics::quantize_nvfp4(&w, n, k);
+    let tensor = |dtype, shape| TensorInfo { name: info.name.clone(), dtype, shape };
+    Ok(match part {
+        Nvfp4Part::Codes => (codes, tensor(DType::U8, vec![n, k / 2])),
+        Nvfp4Part::Scales => (scales, tensor(DType::F8E4M3, vec![n, k / 16])),
+        Nvfp4Part::Scale2 => (scale_2.to_le_bytes().to_vec(), tensor(DType::F32, vec![])),
+    })
+}
+
+/// Columns `start..start + len` of a row-major 2-d tensor, as a tensor of their own.
+pub fn column_slice(data: &[u8], info: &TensorInfo, start: usize, len: usize) -> Result<(Vec<u8>, TensorInfo), String> {
+    let [rows, cols] = info.shape[..] else {
+        return Err(format!("a column slice of a {}-d tensor", info.shape.len()));
+    };
+    if start + len > cols || info.dtype == DType::U8 {
+        return Err(format!("columns {start}..{} of a [{rows}, {cols}] {:?} tensor", start + len, info.dtype));
+    }
+    let elem = info.dtype.size();
+    let mut out = Vec::with_capacity(rows * len * elem);
+    for r in 0..rows {
+        out.extend_from_slice(&data[(r * cols + start) * elem..(r * cols + start + len) * elem]);
+    }
+    Ok((out, TensorInfo { name: info.name.clone(), dtype: info.dtype, shape: vec![rows, len] }))
 }
 
 /// Copies rank `rank`'s part of a row-major tensor into the front of `dst`; returns its bytes.
@@ -318,5 +368,44 @@ mod tests {
         assert_eq!(copy_shard(&data, &bf, Shard::Split { dim: 1, parts: 2 }, 0, &mut d2), Ok(4));
         assert_eq!(d2, [0, 1, 4, 5]);
         assert!(copy_shard(&data, &info, Shard::Split { dim: 1, parts: 3 }, 0, &mut dst).is_err());
+    }
+
+    /// A BF16 `[n, k]` tensor of distinct values, little-endian bytes.
+    fn bf16_matrix(n: usize, k: usize) -> (Vec<u8>, TensorInfo) {
+        let v: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 16.0).collect();
+        let bytes = v.iter().flat_map(|&x| crate::numerics::f32_to_bf16(x).to_le_bytes()).collect();
+        (bytes, TensorInfo { name: "w".into(), dtype: DType::BF16, shape: vec![n, k] })
+    }
+
+    #[test]
+    fn a_column_slice_is_those_columns_of_every_row() {
+        let (data, info) = bf16_matrix(3, 8);
+        let (cols, sliced) = column_slice(&data, &info, 2, 4).unwrap();
+        assert_eq!(sliced.shape, [3, 4]);
+        for r in 0..3 {
+            assert_eq!(cols[r * 8..(r + 1) * 8], data[(r * 8 + 2) * 2..(r * 8 + 6) * 2]);
+        }
+        assert!(column_slice(&data, &info, 6, 4).is_err(), "past the last column");
+    }
+
+    /// Each part of the bind-time quantisation is what ModelOpt's recipe (`quantize_nvfp4`, as
+    /// `kiln quantize` writes checkpoints) gives the tensor's values, in the checkpoint's dtypes
+    /// and shapes, and a rank's share of the codes is its rows of them.
+    #[test]
+    fn nvfp4_parts_are_the_quantisation_of_the_whole_tensor() {
+        let (n, k) = (4, 32);
+        let (data, info) = bf16_matrix(n, k);
+        let values: Vec<f32> = data.chunks_exact(2).map(|b| crate::numerics::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
+        let (codes, scales, scale_2) = crate::numerics::quantize_nvfp4(&values, n, k);
+        let part = |p| nvfp4_part(&data, &info, p).unwrap();
+        assert_eq!(part(Nvfp4Part::Codes), (codes.clone(), TensorInfo { name: "w".into(), dtype: DType::U8, shape: vec![n, k / 2] }));
+        assert_eq!(part(Nvfp4Part::Scales).0, scales);
+        assert_eq!(part(Nvfp4Part::Scales).1.dtype, DType::F8E4M3);
+        assert_eq!(part(Nvfp4Part::Scale2).0, scale_2.to_le_bytes());
+        let (c, ci) = part(Nvfp4Part::Codes);
+        let mut dst = vec![0u8; c.len() / 2];
+        copy_shard(&c, &ci, Shard::Split { dim: 0, parts: 2 }, 1, &mut dst).unwrap();
+        assert_eq!(dst, codes[codes.len() / 2..]);
+        assert!(nvfp4_part(&data[..16], &TensorInfo { shape: vec![1, 8], ..info.clone() }, Nvfp4Part::Codes).is_err(), "K of 8");
     }
 }

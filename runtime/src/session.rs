@@ -67,6 +67,10 @@ impl Backend {
     }
 
     fn run(&mut self, index: usize, inputs: &Inputs) -> Result<&[f32], RuntimeError> {
+        let program = &self.plan().programs[index];
+        if program.is_draft() && !matches!(self, Backend::Cpu(_)) {
+            return Err(RuntimeError::Unsupported { message: format!("`{}` is a draft program; draft programs run on the CPU backend so far", program.name) });
+        }
         match self {
             Backend::Cpu(b) => b.run(index, inputs),
             Backend::Emu(b) => b.run(index, inputs),
@@ -136,6 +140,9 @@ pub struct Runner {
     step_costs: std::collections::HashMap<(usize, usize), Option<f64>>,
     /// [`SessionOptions::prefill_by_decode`], resolved for the backend.
     prefill_by_decode: bool,
+    /// The final normed hidden rows of every token of the last call (plans with a draft model,
+    /// CPU backend): what [`Runner::draft`] continues from.
+    hidden: Vec<f32>,
 }
 
 /// One sequence of a decode batch: its pages (in position order), the position of `token`
@@ -181,7 +188,7 @@ impl Runner {
                 Backend::Emu(EmuBackend::new(plan, arenas)?)
             }
         };
-        Ok(Runner { backend, inputs: Inputs::default(), out: Vec::new(), last: None, step_costs: Default::default(), prefill_by_decode })
+        Ok(Runner { backend, inputs: Inputs::default(), out: Vec::new(), last: None, step_costs: Default::default(), prefill_by_decode, hidden: Vec::new() })
     }
 
     pub fn plan(&self) -> &Plan {
@@ -307,12 +314,14 @@ impl Runner {
         self.check_pages(pages, start + ids.len())?;
         let (vocab, page_size) = (self.vocab_size(), self.page_size());
         self.out.clear();
+        self.hidden.clear();
         let mut done = 0;
         while done < ids.len() {
             let remaining = ids.len() - done;
             if let Some(piece) = self.prefill_piece_by_decode(remaining, start + done) {
                 let batch: Vec<DecodeRow> = (done..done + piece).map(|i| DecodeRow { pages, pos: start + i, token: ids[i] }).collect();
                 let mut out = std::mem::take(&mut self.out);
+                let hidden = std::mem::take(&mut self.hidden);
                 let logits = self.decode(&batch)?;
                 match rows {
                     LogitRows::All => out.extend_from_slice(logits),
@@ -320,6 +329,7 @@ impl Runner {
                     LogitRows::Last => {}
                 }
                 self.out = out;
+                self.hidden = [hidden, std::mem::take(&mut self.hidden)].concat();
                 done += piece;
                 continue;
             }
@@ -362,6 +372,7 @@ impl Runner {
                 LogitRows::Last if last => self.out.extend_from_slice(&logits[..vocab]),
                 LogitRows::Last => {}
             }
+            self.keep_hidden(m);
             done += m;
         }
         Ok(&self.out)
@@ -371,6 +382,44 @@ impl Runner {
     /// one sequence (speculative decoding checks drafts so): every row's KV is written before any
     /// row attends, and each row attends only to positions up to its own.
     pub fn decode(&mut self, batch: &[DecodeRow<'_>]) -> Result<&[f32], RuntimeError> {
+        self.decode_rows(batch, None)
+    }
+
+    /// One step of the draft model (`kiln compile --draft mtp`): row i's `token` is the token at
+    /// `pos + 1` and `hidden[i]` (`[rows, hidden_size]`) the hidden state at `pos` (the model's,
+    /// from [`Runner::hidden`] after the call that computed `pos`, or the draft's own from its
+    /// previous step); the row writes the draft layer's KV at `pos` and returns the draft's
+    /// logits for the token at `pos + 2`, `[rows, vocab]`. Rows may be consecutive positions of
+    /// one sequence, as in [`Runner::decode`]. CPU backend only so far.
+    pub fn draft(&mut self, batch: &[DecodeRow<'_>], hidden: &[f32]) -> Result<&[f32], RuntimeError> {
+        let h = self.plan().model.hidden_size;
+        if hidden.len() != batch.len() * h {
+            return Err(RuntimeError::input("draft hidden rows", format!("{} values for {} rows of {h}", hidden.len(), batch.len())));
+        }
+        if !self.plan().has_draft() {
+            return Err(RuntimeError::Unsupported { message: "the plan has no draft model (compile with --draft mtp)".into() });
+        }
+        self.decode_rows(batch, Some(hidden))
+    }
+
+    /// The final normed hidden state of every token of the last prefill, decode or draft call,
+    /// `[tokens, hidden_size]` (a draft call's: the draft's own, after `shared_head.norm`), in
+    /// plans with a draft model on the CPU backend; None elsewhere.
+    pub fn hidden(&self) -> Option<&[f32]> {
+        (self.plan().has_draft() && matches!(self.backend, Backend::Cpu(_))).then_some(&self.hidden[..])
+    }
+
+    /// Appends the first `rows` hidden rows the last replay left (see [`Runner::hidden`]).
+    fn keep_hidden(&mut self, rows: usize) {
+        let h = self.plan().model.hidden_size;
+        if let Backend::Cpu(cpu) = &self.backend {
+            if let Some(out) = cpu.hidden_out() {
+                self.hidden.extend_from_slice(&out[..rows * h]);
+            }
+        }
+    }
+
+    fn decode_rows(&mut self, batch: &[DecodeRow<'_>], hidden: Option<&[f32]>) -> Result<&[f32], RuntimeError> {
         if batch.is_empty() {
             return Err(RuntimeError::input("decode batch", "no sequences"));
         }
@@ -384,11 +433,14 @@ impl Runner {
             return Err(RuntimeError::Unsupported { message: "the plan has no decode program".into() });
         }
         self.out.clear();
-        for group in batch.chunks(largest) {
-            let index = self
-                .plan()
-                .decode_program(group.len())
-                .ok_or_else(|| RuntimeError::internal("no decode program holds the largest decode batch"))?;
+        self.hidden.clear();
+        let h = self.plan().model.hidden_size;
+        for (g, group) in batch.chunks(largest).enumerate() {
+            let index = match hidden {
+                Some(_) => self.plan().draft_program(group.len()),
+                None => self.plan().decode_program(group.len()),
+            }
+            .ok_or_else(|| RuntimeError::internal("no decode program holds the largest decode batch"))?;
             let inputs = &mut self.inputs;
             let program = &self.backend.plan().programs[index];
             let pages_per_seq = program.buffer(program.inputs.page_table).shape.get(1).copied().unwrap_or(0);
@@ -406,9 +458,14 @@ impl Runner {
                 }
                 inputs.logit_rows[row] = row as i32;
             }
+            if let Some(rows) = hidden {
+                let first = g * largest * h;
+                inputs.hidden[..group.len() * h].copy_from_slice(&rows[first..first + group.len() * h]);
+            }
             self.last = Some(index);
             let logits = self.backend.run(index, &self.inputs)?;
             self.out.extend_from_slice(&logits[..group.len() * vocab]);
+            self.keep_hidden(group.len());
         }
         Ok(&self.out)
     }

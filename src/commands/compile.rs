@@ -1,6 +1,6 @@
 use anyhow::Context;
 use kiln_compiler::targets::parse_bytes;
-use kiln_compiler::{compile, CompileOptions, PrefillCopies, SequenceParallel, SplitProjections};
+use kiln_compiler::{compile, CompileOptions, Draft, PrefillCopies, SequenceParallel, SplitProjections};
 use kiln_runtime::plan::MoeParallel;
 use kiln_runtime::bind::CheckpointFiles;
 use kiln_runtime::weight_check::{hash_tensors, tensor_progress};
@@ -66,6 +66,15 @@ pub struct Args {
     /// Longest sequence to serve (default: max_position_embeddings).
     #[arg(long)]
     max_context: Option<usize>,
+    /// A draft model compiled beside the model for speculative decoding (`kiln run|serve
+    /// --speculative-draft K`): none; mtp, the checkpoint's MTP/NextN layer
+    /// (`model.layers.<num_hidden_layers>.*`) as `draft_{batch}` programs with its own KV cache
+    /// layer and weights (the embedding and lm_head are the model's); or mtp-nvfp4, the same with
+    /// its BF16 routed and shared experts quantised to NVFP4 when the weights are bound (their
+    /// activation scales borrowed from the last decoder layer's experts), which the GPU kernels
+    /// run: GPU targets have no BF16 MoE kernel. Draft programs run on the CPU backend so far.
+    #[arg(long, default_value = "none", value_parser = ["none", "mtp", "mtp-nvfp4"])]
+    draft: String,
     /// Do not assemble the kernels with ptxas even when it is found.
     #[arg(long)]
     no_ptxas: bool,
@@ -126,6 +135,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         max_context: a.max_context,
         assemble: !a.no_ptxas,
         merge_launches: !a.no_merge,
+        draft: match a.draft.as_str() {
+            "mtp" => Draft::Mtp,
+            "mtp-nvfp4" => Draft::MtpNvfp4,
+            _ => Draft::None,
+        },
     };
     let compiled = compile(&a.checkpoint, &opts)?;
     for w in &compiled.warnings {

@@ -337,7 +337,7 @@ fn speculative(out: &mut String, r: &perf::Report) -> std::fmt::Result {
     writeln!(out)?;
     writeln!(
         out,
-        "  speculative decoding at context {} (predicted, P2P; k drafts a sequence checked as k more decode rows; each accepted with probability a once those before it were, a step gains 1 + a + ... + a^k tokens a sequence; drafts free, as prompt lookup's are: a draft model's steps would add)",
+        "  speculative decoding at context {} (predicted, P2P; k drafts a sequence checked as k more decode rows; each accepted with probability a once those before it were, a step gains 1 + a + ... + a^k tokens a sequence; drafts free, as prompt lookup's are)",
         context(at)
     )?;
     writeln!(out, "    {:>5} {:>2} {:>5} {:>8} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9}", "batch", "k", "rows", "plain ms", "step ms", "pays from", rates[0], rates[1], rates[2], "all")?;
@@ -349,6 +349,19 @@ fn speculative(out: &mut String, r: &perf::Report) -> std::fmt::Result {
             "    {:>5} {:>2} {:>5} {:>8.2} {:>8.2} {:>10} {:>9.1} {:>9.1} {:>9.1} {:>9.1}",
             s.batch, s.drafts, s.rows, s.plain_step_ms_p2p, s.step_ms_p2p, pays, t[0], t[1], t[2], s.tokens_per_s_p2p_all_accepted
         )?;
+    }
+    let drafted: Vec<_> = r.speculative.iter().filter(|s| s.context == at && s.draft_ms_p2p.is_some()).collect();
+    if drafted.is_empty() {
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "  with the plan's draft model (its steps counted: one of up to batch x (1 + k) rows, k - 1 of batch rows)"
+    )?;
+    writeln!(out, "    {:>5} {:>2} {:>8} {:>8} {:>9} {:>9} {:>9}", "batch", "k", "draft ms", "total ms", rates[0], rates[1], rates[2])?;
+    for s in drafted {
+        let (d, t) = (s.draft_ms_p2p.unwrap_or(0.0), s.tokens_per_s_p2p_with_draft.clone().unwrap_or_default());
+        writeln!(out, "    {:>5} {:>2} {:>8.2} {:>8.2} {:>9.1} {:>9.1} {:>9.1}", s.batch, s.drafts, d, s.step_ms_p2p + d, t[0], t[1], t[2])?;
     }
     Ok(())
 }

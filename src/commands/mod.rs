@@ -32,6 +32,24 @@ pub fn backend_kind(name: &str) -> anyhow::Result<BackendKind> {
     }
 }
 
+/// `--speculative-draft K`: up to K drafts a step from the plan's draft model (0: none), where
+/// the plan has one and the backend runs it.
+pub fn draft_model(max_draft: usize, ngram: usize, plan: &kiln_runtime::plan::Plan, backend: kiln_runtime::session::BackendKind) -> anyhow::Result<Option<usize>> {
+    if max_draft == 0 {
+        return Ok(None);
+    }
+    if ngram > 0 {
+        anyhow::bail!("--speculative-draft {max_draft} and --speculative-ngram {ngram}: choose one source of drafts");
+    }
+    if !plan.has_draft() {
+        anyhow::bail!("--speculative-draft: the artifact has no draft model; compile it with --draft mtp from a checkpoint that has the MTP layer");
+    }
+    if backend != kiln_runtime::session::BackendKind::Cpu {
+        anyhow::bail!("--speculative-draft: the draft programs run on the CPU backend so far (--backend cpu)");
+    }
+    Ok(Some(max_draft))
+}
+
 /// `--speculative-ngram K`: prompt-lookup drafts of up to K tokens (0: none).
 pub fn speculation(max_draft: usize) -> Option<kiln_engine::speculation::NgramSpeculation> {
     (max_draft > 0).then(|| kiln_engine::speculation::NgramSpeculation::new(max_draft))

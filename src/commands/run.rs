@@ -54,6 +54,13 @@ pub struct Args {
     /// predicted step times say pay). 0: off.
     #[arg(long, default_value_t = 0, value_name = "K")]
     pub speculative_ngram: usize,
+    /// Speculative decoding with the artifact's draft model (`kiln compile --draft mtp`: the
+    /// checkpoint's MTP layer): up to K draft tokens per request and step, the draft model's
+    /// most likely tokens, checked by the model in the same decode step like
+    /// --speculative-ngram's (the output is unchanged). The draft layer keeps its own KV cache,
+    /// fed with the model's hidden state at every position. CPU backend only so far. 0: off.
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    pub speculative_draft: usize,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -94,7 +101,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     // The same engine `kiln serve` uses, with one request.
-    let engine = scheduler::start(Box::new(model), scheduler::EngineOptions { max_waiting: 1, speculation: super::speculation(a.speculative_ngram), ..Default::default() });
+    let draft_model = super::draft_model(a.speculative_draft, a.speculative_ngram, model.plan(), backend)?;
+    let engine = scheduler::start(Box::new(model), scheduler::EngineOptions { max_waiting: 1, speculation: super::speculation(a.speculative_ngram), draft_model, ..Default::default() });
     let (tx, rx) = std::sync::mpsc::channel();
     let request = GenerationRequest { sampling: params, stop_ids: eos, ..GenerationRequest::new(prompt.clone(), a.max_tokens) };
     let start = Instant::now();
@@ -136,7 +144,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         prompt.len() as f64 / prefill_s.max(1e-9),
         generated.saturating_sub(1) as f64 / decode_s.max(1e-9)
     );
-    if a.speculative_ngram > 0 {
+    if a.speculative_ngram > 0 || a.speculative_draft > 0 {
         let (drafted, accepted) = (engine.stats.draft_tokens.load(Ordering::Relaxed), engine.stats.accepted_draft_tokens.load(Ordering::Relaxed));
         eprintln!("[speculative decoding: {drafted} draft tokens checked, {accepted} accepted]");
     }

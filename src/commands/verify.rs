@@ -182,12 +182,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let all = a.program.as_deref() == Some("all") || (a.program.is_none() && a.backend == "cuda");
     let chosen: Vec<usize> = match &a.program {
-        _ if all => (0..plan.programs.len()).collect(),
+        // (a draft model's programs take hidden rows `verify` does not make yet)
+        _ if all => (0..plan.programs.len()).filter(|&i| !plan.programs[i].is_draft()).collect(),
+        Some(name) if plan.programs.iter().any(|p| &p.name == name && p.is_draft()) => bail!("{name} is a draft program; verify runs the model's own programs only so far"),
         Some(name) => vec![plan.programs.iter().position(|p| &p.name == name).with_context(|| {
             format!("no program {name:?}; the plan has {}", plan.programs.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", "))
         })?],
         None => {
-            let mut v: Vec<usize> = (0..plan.programs.len()).filter(|&i| matches!(plan.programs[i].kind, ProgramKind::Decode { .. })).collect();
+            let mut v: Vec<usize> = (0..plan.programs.len()).filter(|&i| matches!(plan.programs[i].kind, ProgramKind::Decode { .. }) && !plan.programs[i].is_draft()).collect();
             if let Some(i) = (0..plan.programs.len()).filter(|&i| matches!(plan.programs[i].kind, ProgramKind::Prefill { .. })).min_by_key(|&i| plan.programs[i].tokens) {
                 v.insert(0, i);
             }

@@ -287,6 +287,10 @@ def load_model(ckpt_dir: str, dtype: str = "float32", strict: bool = True):
     config = load_config(ckpt_dir)
     qinfo = quant_info(ckpt_dir, config)
     tensors = read_checkpoint(ckpt_dir)
+    # the MTP layers after the decoder stack are not part of the model (transformers skips GLM-5's
+    # layer 78 the same way); scripts/demo_model/train_mtp.py loads the demo model's own
+    mtp = tuple(f"model.layers.{config['num_hidden_layers'] + i}." for i in range(config.get("num_nextn_predict_layers", 0)))
+    tensors = {k: v for k, v in tensors.items() if not (mtp and k.startswith(mtp))}
     qmods = validate_checkpoint(tensors, config, qinfo, strict)
     weights = dense_weights(tensors, qmods)
     tmp = tempfile.mkdtemp(prefix="kiln-oracle-")

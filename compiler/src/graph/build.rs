@@ -1,12 +1,12 @@
 //! Builds the logical (unsharded) forward graph of `glm_moe_dsa` from the checkpoint, checking
 //! every tensor it binds.
 
-use super::{Binder, Graph, GraphInputs, GraphWeight, ShardRole, Value};
+use super::{Binder, DraftGraph, Graph, GraphInputs, GraphWeight, ShardRole, Value};
 use crate::checkpoint::Checkpoint;
 use crate::error::CompileError;
 use kiln_runtime::plan::{
-    AttentionForm, BufId, DType, Dim, Epilogue, KernelFamily, LinearPart, LinearWeights, ModelConfig, Op, RouterParams,
-    Step, WeightId, WeightKind,
+    AttentionForm, BufId, DType, Dim, Epilogue, KernelFamily, LinearPart, LinearWeights, ModelConfig, Nvfp4Part, Op, RouterParams,
+    Step, Transform, WeightId, WeightKind,
 };
 use std::collections::BTreeMap;
 
@@ -16,6 +16,9 @@ struct Builder<'a> {
     values: Vec<Value>,
     weights: Vec<GraphWeight>,
     steps: Vec<Step>,
+    /// While building the MTP layer under `--draft mtp-nvfp4`: the decoder layer whose NVFP4
+    /// MLP linears lend their activation scales to the MTP layer's BF16 ones, quantised at bind.
+    quantise_from: Option<usize>,
 }
 
 const T: Dim = Dim::Tokens;
@@ -45,7 +48,7 @@ impl<'a> Builder<'a> {
         experts: Option<usize>,
         role: ShardRole,
     ) -> WeightId {
-        self.weights.push(GraphWeight { name, kind, dtype, pieces, piece_shape, experts, role });
+        self.weights.push(GraphWeight { name, kind, dtype, pieces, piece_shape, experts, role, transform: Transform::Identity });
         WeightId(self.weights.len() as u32 - 1)
     }
 
@@ -68,6 +71,10 @@ impl<'a> Builder<'a> {
         role: ShardRole,
         experts: Option<usize>,
     ) -> Result<LinearWeights, CompileError> {
+        let mlp = matches!(kind, WeightKind::RoutedExperts | WeightKind::SharedExperts | WeightKind::DenseMlp);
+        if let (Some(donor), true, false) = (self.quantise_from, mlp, self.bind.ckpt.quant.is_nvfp4(&modules[0])) {
+            return self.quantised_linear_weights(name, modules, n, k, kind, role, experts, donor);
+        }
         let quant = &self.bind.ckpt.quant;
         let nvfp4 = quant.is_nvfp4(&modules[0]);
         if let Some(other) = modules.iter().find(|m| quant.is_nvfp4(m) != nvfp4) {
@@ -105,6 +112,56 @@ impl<'a> Builder<'a> {
         } else {
             Ok(LinearWeights::Bf16 { weight: group(self, "weight", DType::BF16, vec![n, k], role)? })
         }
+    }
+
+    /// [`Builder::linear_weights`] of BF16 checkpoint linears as NVFP4: each weight quantised
+    /// at bind as ModelOpt does ([`Transform::Nvfp4`]), its activation scale (`input_scale`)
+    /// the one the same module of decoder layer `donor` was calibrated with (the MTP layer's
+    /// MLP inputs are normed rows as the last decoder layer's are; a draft need not be exact).
+    #[allow(clippy::too_many_arguments)]
+    fn quantised_linear_weights(
+        &mut self,
+        name: &str,
+        modules: &[String],
+        n: usize,
+        k: usize,
+        kind: WeightKind,
+        role: ShardRole,
+        experts: Option<usize>,
+        donor: usize,
+    ) -> Result<LinearWeights, CompileError> {
+        let scalar_role = match role {
+            ShardRole::Experts { .. } => ShardRole::Experts { tp_dim: None },
+            _ => ShardRole::Replicated,
+        };
+        let layer = format!("model.layers.{}.", self.cfg.num_hidden_layers);
+        let mut lent = Vec::new();
+        for m in modules {
+            let from = m.replacen(&layer, &format!("model.layers.{donor}."), 1);
+            if !self.bind.ckpt.quant.is_nvfp4(&from) {
+                return Err(CompileError::Config {
+                    path: self.bind.ckpt.config_path.clone(),
+                    field: "--draft mtp-nvfp4".into(),
+                    message: format!("`{m}` would take the activation scale of `{from}`, which is not NVFP4 in this checkpoint"),
+                });
+            }
+            lent.push(self.bind.expect(&format!("{from}.input_scale"), DType::F32, &[], &format!("the activation scale `{m}` borrows"))?);
+        }
+        let pieces = modules
+            .iter()
+            .map(|m| self.bind.expect(&format!("{m}.weight"), DType::BF16, &[n, k], &format!("linear `{m}`, quantised to NVFP4 at bind")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let part = |b: &mut Self, suffix: &str, dtype: DType, shape: Vec<usize>, role: ShardRole, pieces: Vec<u32>, transform: Transform| {
+            let id = b.weight(format!("{name}.{suffix}"), kind, dtype, pieces, shape, experts, role);
+            b.weights[id.0 as usize].transform = transform;
+            id
+        };
+        Ok(LinearWeights::Nvfp4 {
+            weight: part(self, "weight", DType::U8, vec![n, k / 2], role, pieces.clone(), Transform::Nvfp4(Nvfp4Part::Codes)),
+            scale: part(self, "weight_scale", DType::F8E4M3, vec![n, k / 16], role, pieces.clone(), Transform::Nvfp4(Nvfp4Part::Scales)),
+            scale_2: part(self, "weight_scale_2", DType::F32, vec![], scalar_role, pieces, Transform::Nvfp4(Nvfp4Part::Scale2)),
+            input_scale: part(self, "input_scale", DType::F32, vec![], scalar_role, lent, Transform::Identity),
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -299,8 +356,89 @@ fn logical(tensor: &str) -> String {
     tensor.strip_prefix("model.").unwrap_or(tensor).to_string()
 }
 
-pub fn build_graph(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Graph, CompileError> {
-    let mut b = Builder { bind: Binder::new(ckpt), cfg, values: Vec::new(), weights: Vec::new(), steps: Vec::new() };
+/// Which draft model the plan carries for speculative decoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Draft {
+    #[default]
+    None,
+    /// The checkpoint's MTP (NextN) layer, `model.layers.<num_hidden_layers>.*`, as stored.
+    Mtp,
+    /// The MTP layer with its BF16 MLP linears (routed and shared experts) quantised to NVFP4
+    /// at bind, so that the NVFP4 MoE kernels run them (SGLang casts them to FP8 for its
+    /// kernels the same way); their activation scales are the last decoder layer's.
+    MtpNvfp4,
+}
+
+impl Builder<'_> {
+    /// The MTP layer as a draft model (DeepSeek-V3's multi-token prediction module, as SGLang's
+    /// `DeepseekModelNextN` runs it; reference/glm5.md section 6): row p takes the token at
+    /// p + 1 and the model's hidden state at p,
+    /// `x = eh_proj(cat(enorm(embed(token)), hnorm(hidden)))`, then one decoder layer with its
+    /// own attention, indexer and KV cache layer, `shared_head.norm`, and the model's `lm_head`.
+    /// `eh_proj` is computed as two linears over the halves of its input, each into F32, and
+    /// their sum rounded once: the concatenation never exists.
+    fn mtp_draft(&mut self, inputs: &GraphInputs, table: WeightId, head: &LinearWeights, model_hidden: BufId, nvfp4: bool) -> Result<DraftGraph, CompileError> {
+        let c = self.cfg;
+        let (h, v, l) = (c.hidden_size, c.vocab_size, c.num_hidden_layers);
+        let lp = format!("model.layers.{l}");
+        let main = std::mem::take(&mut self.steps);
+        let hidden_in = self.tokens("draft.hidden_in", DType::BF16, h);
+        let embed = self.tokens("draft.embed", DType::BF16, h);
+        self.push(Op::Embed { ids: BufId(inputs.ids), table, vocab_rows: v, out: embed }, KernelFamily::Embed);
+        let mut halves = Vec::new();
+        for (i, (norm, input)) in [("enorm", embed), ("hnorm", hidden_in)].into_iter().enumerate() {
+            let w = self.norm(&format!("{lp}.{norm}.weight"), h)?;
+            let normed = self.tokens(format!("draft.{norm}"), DType::BF16, h);
+            self.push(Op::RmsNorm { input, residual: None, weight: w, eps: c.rms_norm_eps, out: normed }, KernelFamily::RmsNorm);
+            let tensor = format!("{lp}.eh_proj.weight");
+            let id = self.bind.expect(&tensor, DType::BF16, &[h, 2 * h], "the MTP layer's eh_proj")?;
+            let name = format!("layers.{l}.eh_proj.{}.weight", ["embedding", "hidden"][i]);
+            let weight = self.weight(name, WeightKind::Attention, DType::BF16, vec![id], vec![h, h], None, ShardRole::Replicated);
+            self.weights[weight.0 as usize].transform = Transform::Columns { start: (i * h) as u32, len: h as u32 };
+            let out = self.tokens(format!("draft.eh_proj.{norm}"), DType::F32, h);
+            let op = Op::Linear { input: normed, weights: LinearWeights::Bf16 { weight }, parts: vec![LinearPart { rows: h }], k: h, epilogue: Epilogue::None, out };
+            self.push(op, KernelFamily::LinearBf16);
+            halves.push(out);
+        }
+        let resid = self.tokens("draft.residual", DType::BF16, h);
+        self.push(Op::Add { a: halves[0], b: halves[1], out: resid }, KernelFamily::Add);
+
+        let w = self.norm(&format!("{lp}.input_layernorm.weight"), h)?;
+        let x = self.tokens(format!("l{l}.attn_in"), DType::BF16, h);
+        self.push(Op::RmsNorm { input: resid, residual: None, weight: w, eps: c.rms_norm_eps, out: x }, KernelFamily::RmsNorm);
+        let a = self.attention(l, x, inputs)?;
+        let w = self.norm(&format!("{lp}.post_attention_layernorm.weight"), h)?;
+        let x2 = self.tokens(format!("l{l}.mlp_in"), DType::BF16, h);
+        self.push(Op::RmsNorm { input: a, residual: Some(resid), weight: w, eps: c.rms_norm_eps, out: x2 }, KernelFamily::RmsNorm);
+        if !c.is_moe_layer(l) {
+            return Err(CompileError::Config {
+                path: self.bind.ckpt.config_path.clone(),
+                field: "first_k_dense_replace".into(),
+                message: format!("the MTP layer {l} would be a dense layer; kiln's draft expects a sparse (MoE) one"),
+            });
+        }
+        self.quantise_from = nvfp4.then(|| l - 1);
+        let m = self.moe(l, x2);
+        self.quantise_from = None;
+        let m = m?;
+        let w = self.norm(&format!("{lp}.shared_head.norm.weight"), h)?;
+        let hidden_out = self.tokens("draft.hidden_out", DType::BF16, h);
+        self.push(Op::RmsNorm { input: m, residual: Some(resid), weight: w, eps: c.rms_norm_eps, out: hidden_out }, KernelFamily::RmsNorm);
+        let rows = self.value("draft.logit_hidden", DType::BF16, vec![Dim::LogitRows, Dim::Fixed(h)]);
+        self.push(Op::GatherRows { input: hidden_out, rows: BufId(inputs.logit_rows), out: rows }, KernelFamily::GatherRows);
+        let logits = self.value("draft.logits", DType::F32, vec![Dim::LogitRows, Dim::Fixed(v)]);
+        let kernel = match head {
+            LinearWeights::Bf16 { .. } => KernelFamily::LinearBf16,
+            LinearWeights::Nvfp4 { .. } => KernelFamily::LinearNvfp4,
+        };
+        self.push(Op::Linear { input: rows, weights: head.clone(), parts: vec![LinearPart { rows: v }], k: h, epilogue: Epilogue::None, out: logits }, kernel);
+        let steps = std::mem::replace(&mut self.steps, main);
+        Ok(DraftGraph { steps, hidden_in: hidden_in.0, hidden_out: hidden_out.0, logits: logits.0, model_hidden: model_hidden.0 })
+    }
+}
+
+pub fn build_graph(ckpt: &Checkpoint, cfg: &ModelConfig, draft: Draft) -> Result<Graph, CompileError> {
+    let mut b = Builder { bind: Binder::new(ckpt), cfg, values: Vec::new(), weights: Vec::new(), steps: Vec::new(), quantise_from: None };
     let h = cfg.hidden_size;
     let v = cfg.vocab_size;
     let i32_tokens = |b: &mut Builder, name: &str| b.value(name, DType::I32, vec![T]);
@@ -354,10 +492,21 @@ pub fn build_graph(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Graph, Compil
         LinearWeights::Bf16 { .. } => KernelFamily::LinearBf16,
         LinearWeights::Nvfp4 { .. } => KernelFamily::LinearNvfp4,
     };
-    b.push(Op::Linear { input: rows, weights: head_weights, parts: vec![LinearPart { rows: v }], k: h, epilogue: Epilogue::None, out: logits }, kernel);
+    b.push(Op::Linear { input: rows, weights: head_weights.clone(), parts: vec![LinearPart { rows: v }], k: h, epilogue: Epilogue::None, out: logits }, kernel);
 
+    let draft = match draft {
+        Draft::None => None,
+        Draft::Mtp | Draft::MtpNvfp4 if cfg.num_nextn_predict_layers == 0 => {
+            return Err(CompileError::Config {
+                path: ckpt.config_path.clone(),
+                field: "num_nextn_predict_layers".into(),
+                message: "is 0: the model has no MTP layer for `--draft mtp`".into(),
+            })
+        }
+        Draft::Mtp | Draft::MtpNvfp4 => Some(b.mtp_draft(&inputs, table, &head_weights, final_x, draft == Draft::MtpNvfp4)?),
+    };
     let ignored = summarise_unbound(ckpt, &b.bind, cfg);
-    Ok(Graph { values: b.values, weights: b.weights, steps: b.steps, tensors: b.bind.tensors, inputs, logits: logits.0, ignored })
+    Ok(Graph { values: b.values, weights: b.weights, steps: b.steps, tensors: b.bind.tensors, inputs, logits: logits.0, ignored, draft })
 }
 
 /// Checkpoint tensors the graph does not bind: MTP layers summarised per layer, others by name.
@@ -374,7 +523,7 @@ fn summarise_unbound(ckpt: &Checkpoint, bind: &Binder, cfg: &ModelConfig) -> Vec
     }
     let mut out: Vec<String> = mtp
         .into_iter()
-        .map(|(l, n)| format!("model.layers.{l}.* ({n} tensors): MTP/NextN layer, not used by the main model"))
+        .map(|(l, n)| format!("model.layers.{l}.* ({n} tensors): MTP/NextN layer, a draft model for speculative decoding (compile with --draft mtp to use it)"))
         .collect();
     out.extend(other.into_iter().map(|n| format!("{n}: not used by glm_moe_dsa")));
     out

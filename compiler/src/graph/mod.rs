@@ -6,9 +6,9 @@ mod binder;
 mod build;
 
 pub use binder::Binder;
-pub use build::build_graph;
+pub use build::{build_graph, Draft};
 
-use kiln_runtime::plan::{DType, Dim, Step, TensorInfo, WeightKind};
+use kiln_runtime::plan::{DType, Dim, Step, TensorInfo, Transform, WeightKind};
 
 /// A symbolic activation or input of the graph.
 #[derive(Debug, Clone, PartialEq)]
@@ -45,6 +45,10 @@ pub struct GraphWeight {
     pub piece_shape: Vec<usize>,
     pub experts: Option<usize>,
     pub role: ShardRole,
+    /// What binding makes of each piece's checkpoint tensor before sharding it (`piece_shape`
+    /// is the result's): a column slice (one part of a linear over a concatenated input), or a
+    /// part of its NVFP4 quantisation.
+    pub transform: Transform,
 }
 
 /// Program inputs as graph values.
@@ -68,4 +72,20 @@ pub struct Graph {
     pub logits: u32,
     /// Checkpoint tensors recognised but not used (MTP layer), summarised.
     pub ignored: Vec<String>,
+    /// The draft model (the checkpoint's MTP layer) where the plan carries one.
+    pub draft: Option<DraftGraph>,
+}
+
+/// The draft model's steps over the same values and weights (embedding and `lm_head` shared):
+/// one MTP layer that takes the next token and the model's hidden state at the row before it.
+#[derive(Debug, Clone)]
+pub struct DraftGraph {
+    pub steps: Vec<Step>,
+    /// `[tokens, hidden]` BF16 input: the hidden state each draft row continues from.
+    pub hidden_in: u32,
+    /// `[tokens, hidden]` BF16: the draft's own hidden state after `shared_head.norm`.
+    pub hidden_out: u32,
+    pub logits: u32,
+    /// The model's `[tokens, hidden]` final normed hidden state (its programs' `hidden_out`).
+    pub model_hidden: u32,
 }

@@ -44,21 +44,26 @@ pub fn plan_workspace(program: &mut Program) -> u64 {
         }
     }
     let inputs = program.inputs;
-    let pinned = [inputs.ids, inputs.positions, inputs.token_seq, inputs.slots, inputs.page_table, inputs.logit_rows, program.logits];
+    // inputs (a draft program's hidden rows too) first, then the outputs, live throughout
+    let mut pinned = vec![inputs.ids, inputs.positions, inputs.token_seq, inputs.slots, inputs.page_table, inputs.logit_rows];
+    pinned.extend(program.hidden_in);
+    let n_inputs = pinned.len();
+    pinned.push(program.logits);
+    pinned.extend(program.hidden_out);
     let steps = program.steps.len();
-    for b in pinned {
+    for b in &pinned {
         first[b.0 as usize] = 0;
         last[b.0 as usize] = steps;
     }
     let mut offset = 0;
-    for b in &pinned[..6] {
+    for b in &pinned[..n_inputs] {
         let buf = &mut program.buffers[b.0 as usize];
         buf.offset = offset;
         offset = align(offset + buf.bytes);
     }
     let io_end = offset;
     // Largest first, then by first use: the classic greedy for interval packing.
-    let mut order: Vec<usize> = (0..n).filter(|i| !pinned[..6].iter().any(|p| p.0 as usize == *i)).collect();
+    let mut order: Vec<usize> = (0..n).filter(|i| !pinned[..n_inputs].iter().any(|p| p.0 as usize == *i)).collect();
     order.sort_by_key(|&i| (std::cmp::Reverse(program.buffers[i].bytes), first[i], i));
     let mut placed: Vec<(u64, u64, usize, usize)> = Vec::new(); // (offset, end, first, last)
     let mut peak = io_end;
@@ -94,6 +99,9 @@ pub struct KvRequest {
     pub max_seqs: usize,
     /// The longest sequence the plan serves; at least one such sequence must fit.
     pub max_context: usize,
+    /// Cache layers: the model's, and a draft model's layer after them (its own KV and indexer
+    /// keys, in the same pages).
+    pub layers: usize,
 }
 
 /// Per-rank budget: weights + workspace + KV + headroom <= GPU memory. The KV cache takes what is
@@ -107,7 +115,7 @@ pub fn plan_memory(
     req: &KvRequest,
 ) -> Result<MemoryPlan, CompileError> {
     let dtype = DType::BF16;
-    let per_token = (cfg.num_hidden_layers * cfg.kv_values_per_token_layer() * dtype.size()) as u64;
+    let per_token = (req.layers * cfg.kv_values_per_token_layer() * dtype.size()) as u64;
     let page_bytes = per_token * req.page_size as u64;
     let pages_per_seq = req.max_context.div_ceil(req.page_size);
     let min_pages = pages_per_seq as u64;
@@ -138,7 +146,7 @@ pub fn plan_memory(
         workspace,
         kv: KvLayout {
             dtype,
-            layers: cfg.num_hidden_layers,
+            layers: req.layers,
             latent_dim: cfg.kv_lora_rank,
             rope_dim: cfg.qk_rope_head_dim,
             index_dim: cfg.index_head_dim,

@@ -9,7 +9,7 @@ use crate::graph::{Graph, GraphWeight, ShardRole};
 use kiln_runtime::perf::{collective_time, Constants};
 use kiln_runtime::plan::{
     BufId, Dim, GatherPair, KernelFamily, LinearWeights, ModelConfig, MoeParallel, Op, Parallelism, Shard, ShardChoice, Step,
-    TensorChoice, Transform, WeightId, WeightKind, WeightSlot, WeightSource,
+    TensorChoice, WeightId, WeightKind, WeightSlot, WeightSource,
 };
 use super::lower::P2P_GATHER_PAIRS;
 use std::collections::BTreeMap;
@@ -71,10 +71,17 @@ pub struct Sharded {
 
 pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &SplitPolicy) -> Result<Sharded, CompileError> {
     let tp = par.tp;
-    let Splits { gathered, copies, choices: split_choices } = if tp > 1 { split_projections(&mut graph, tp, split) } else { Splits::default() };
+    // the draft's steps after the model's: one pass decides and rewrites both (they share weights)
+    let model_steps = graph.steps.len();
+    if let Some(d) = graph.draft.as_mut() {
+        let draft = std::mem::take(&mut d.steps);
+        graph.steps.extend(draft);
+    }
+    let Splits { gathered, copies, choices: split_choices } = if tp > 1 { split_projections(&mut graph, tp, split, model_steps) } else { Splits::default() };
     let slots = graph.weights.iter().map(|w| slot_for(w, par)).collect::<Result<Vec<_>, _>>()?;
     let mut choices = choices(cfg, par, &graph, &slots);
     if tp == 1 {
+        split_off_draft(&mut graph, model_steps);
         return Ok(Sharded { graph, prefill_graph: None, slots, choices });
     }
     choices.extend(split_choices);
@@ -86,7 +93,14 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &Spl
     let mut pending = Vec::new();
     // (index in `steps`, the op computing it whole from its copy) per copied projection
     let mut whole_ops = Vec::new();
+    let mut draft_start = None;
     for (index, mut step) in std::mem::take(&mut graph.steps).into_iter().enumerate() {
+        if index == model_steps {
+            let split = graph.logits;
+            graph.logits = gather_logits(&mut graph, &mut steps, split, "logits", tp);
+            partial.push(false);
+            draft_start = Some(steps.len());
+        }
         // a copied projection's whole form: the op as the graph has it, on the copy's weights
         let whole = copies.get(&index).map(|map| {
             let mut op = step.op.clone();
@@ -185,22 +199,43 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &Spl
             steps.push(Step { op: Op::AllGather { pairs }, kernel: KernelFamily::Collective, launches: Vec::new() });
         }
     }
-    // The lm_head output is vocab-split: gather the columns of every rank.
-    // (The Rows branch above already cut its width to vocab / tp.)
-    let split = graph.logits;
-    graph.values[split as usize].name = "logits_local".into();
+    match graph.draft.as_ref().map(|d| d.logits) {
+        Some(draft_logits) => {
+            let out = gather_logits(&mut graph, &mut steps, draft_logits, "draft.logits", tp);
+            graph.draft.as_mut().expect("matched a draft").logits = out;
+        }
+        None => {
+            let split = graph.logits;
+            graph.logits = gather_logits(&mut graph, &mut steps, split, "logits", tp);
+        }
+    }
+    graph.steps = steps;
+    split_off_draft(&mut graph, draft_start.unwrap_or(usize::MAX));
+    // only prefill programs compute projections whole, and the draft has none
+    let prefill_graph = (!whole_ops.is_empty()).then(|| with_whole_projections(&graph, whole_ops));
+    Ok(Sharded { graph, prefill_graph, slots, choices })
+}
+
+/// The lm_head output is vocab-split: gathers the columns of every rank (the Rows branch
+/// already cut its width to vocab / tp); returns the gathered value.
+fn gather_logits(graph: &mut Graph, steps: &mut Vec<Step>, split: u32, name: &str, tp: usize) -> u32 {
+    graph.values[split as usize].name = format!("{name}_local");
     let mut gathered = graph.values[split as usize].clone();
-    gathered.name = "logits".into();
+    gathered.name = name.into();
     if let Some(Dim::Fixed(n)) = gathered.dims.last_mut() {
         *n *= tp;
     }
     graph.values.push(gathered);
     let out = graph.values.len() as u32 - 1;
     steps.push(Step { op: Op::AllGather { pairs: vec![GatherPair { input: BufId(split), out: BufId(out) }] }, kernel: KernelFamily::Collective, launches: Vec::new() });
-    graph.logits = out;
-    graph.steps = steps;
-    let prefill_graph = (!whole_ops.is_empty()).then(|| with_whole_projections(&graph, whole_ops));
-    Ok(Sharded { graph, prefill_graph, slots, choices })
+    out
+}
+
+/// Moves the steps from `start` on back into the draft graph (where there is one).
+fn split_off_draft(graph: &mut Graph, start: usize) {
+    if let Some(d) = graph.draft.as_mut() {
+        d.steps = graph.steps.split_off(start.min(graph.steps.len()));
+    }
 }
 
 /// `graph` with each split projection in `whole_ops` computed whole (its op writes the gathered
@@ -248,13 +283,13 @@ fn matrices(lw: &LinearWeights) -> Vec<WeightId> {
 /// kernel (its share of a row whole 16-byte chunks), since NCCL's 25 µs would cost more than any
 /// of them saves. A split projection may also keep a whole copy for prefill ([`PrefillCopies`]),
 /// priced at the largest prefill chunk, whose gathers run on NCCL.
-fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> Splits {
+fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy, prefill_steps: usize) -> Splits {
     let k = &split.consts;
     let mut steps: BTreeMap<usize, bool> = BTreeMap::new();
     let mut copies: BTreeMap<usize, BTreeMap<WeightId, WeightId>> = BTreeMap::new();
     // the open group: (its last step, its buffers, their bytes per token and rank)
     let mut group: Option<(usize, usize, usize)> = None;
-    // per projection name: (layers, rows, whether split, its weight bytes if copied, why)
+    // per projection name: (layers, rows, whether split, the weight bytes of its copies, why)
     let mut seen: BTreeMap<String, (usize, usize, bool, Option<usize>, String)> = BTreeMap::new();
     for (index, step) in graph.steps.iter().enumerate() {
         let Op::Linear { weights, parts, out, k: inputs, .. } = &step.op else { continue };
@@ -314,7 +349,9 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> Split
             LinearWeights::Nvfp4 { .. } => k.fp4_pflops,
         } * 1e9;
         let whole_extra_us = saved_us + (tp - 1) as f64 / tp as f64 * 2.0 * chunk * (rows * inputs) as f64 / flops_per_us;
+        // (the draft's steps, after the model's, run in no prefill program)
         let copy = chosen
+            && index < prefill_steps
             && match split.copies {
                 PrefillCopies::None => false,
                 PrefillCopies::All => true,
@@ -354,7 +391,12 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> Split
         }
         let name = projection_name(&graph.weights[ids[0].0 as usize].name);
         let why = if chosen { why + &copy_why } else { why };
-        seen.entry(name).and_modify(|e| e.0 += 1).or_insert((1, rows, chosen, copy.then_some(bytes), why));
+        seen.entry(name)
+            .and_modify(|e| {
+                e.0 += 1;
+                e.3 = e.3.map(|b| b + if copy { bytes } else { 0 });
+            })
+            .or_insert((1, rows, chosen, copy.then_some(bytes), why));
     }
     let choices = seen
         .into_iter()
@@ -366,7 +408,7 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy) -> Split
                 (true, Some(bytes)) => format!(
                     "split by output rows, {} of {rows} per rank, all-gathered after it at decode; prefill computes it whole from a copy on every rank ({} per rank)",
                     rows / tp,
-                    human_bytes((bytes * layers) as u64)
+                    human_bytes(bytes as u64)
                 ),
             },
             why,
@@ -435,6 +477,7 @@ fn slot_for(w: &GraphWeight, par: &Parallelism) -> Result<WeightSlot, CompileErr
         _ => Shard::Whole,
     };
     let piece_bytes = piece.iter().product::<usize>() as u64 * w.dtype.size() as u64;
+    let transform = w.transform;
     let (shape, sources) = match w.experts {
         Some(experts) => {
             let per_expert = w.pieces.len() / experts;
@@ -460,7 +503,7 @@ fn slot_for(w: &GraphWeight, par: &Parallelism) -> Result<WeightSlot, CompileErr
                     },
                     shard,
                     dst_offset: i as u64 * piece_bytes,
-                    transform: Transform::Identity,
+                    transform,
                 })
                 .collect();
             (std::iter::once(local).chain(concat0(per_expert, &piece)).collect(), sources)
@@ -470,7 +513,7 @@ fn slot_for(w: &GraphWeight, par: &Parallelism) -> Result<WeightSlot, CompileErr
                 .pieces
                 .iter()
                 .enumerate()
-                .map(|(i, &t)| WeightSource { tensor: TensorChoice::Same(t), shard, dst_offset: i as u64 * piece_bytes, transform: Transform::Identity })
+                .map(|(i, &t)| WeightSource { tensor: TensorChoice::Same(t), shard, dst_offset: i as u64 * piece_bytes, transform })
                 .collect();
             (concat0(w.pieces.len(), &piece), sources)
         }
@@ -565,6 +608,7 @@ mod tests {
             inputs: GraphInputs { ids: 0, positions: 0, token_seq: 0, slots: 0, page_table: 0, logit_rows: 0 },
             logits: 0,
             ignored: vec![],
+            draft: None,
         }
     }
 

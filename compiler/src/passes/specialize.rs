@@ -13,21 +13,28 @@ pub struct Bucket {
     pub seqs: usize,
     pub logit_rows: usize,
     pub pages_per_seq: usize,
+    /// A program of the draft model (decode-shaped: `Decode { batch }`, every row's logits).
+    pub draft: bool,
 }
 
 /// Logits returned by a prefill chunk: every row when that stays under this many bytes,
 /// otherwise the largest power of two that does (serving needs one row per sequence).
 pub const PREFILL_LOGITS_BUDGET: usize = 64 << 20;
 
-pub fn buckets(prefill_chunks: &[usize], decode_batches: &[usize], vocab: usize, pages_per_seq: usize) -> Vec<Bucket> {
+/// The programs' shapes: prefill chunks, decode batches and, with a draft model, a draft
+/// program per decode batch.
+pub fn buckets(prefill_chunks: &[usize], decode_batches: &[usize], vocab: usize, pages_per_seq: usize, draft: bool) -> Vec<Bucket> {
     let mut out = Vec::new();
     for &chunk in prefill_chunks {
         let max_rows = (PREFILL_LOGITS_BUDGET / (vocab * 4)).max(1);
         let rows = if chunk <= max_rows { chunk } else { 1 << max_rows.ilog2() };
-        out.push(Bucket { kind: ProgramKind::Prefill { chunk }, tokens: chunk, seqs: 1, logit_rows: rows, pages_per_seq });
+        out.push(Bucket { kind: ProgramKind::Prefill { chunk }, tokens: chunk, seqs: 1, logit_rows: rows, pages_per_seq, draft: false });
     }
-    for &batch in decode_batches {
-        out.push(Bucket { kind: ProgramKind::Decode { batch }, tokens: batch, seqs: batch, logit_rows: batch, pages_per_seq });
+    let kinds: &[bool] = if draft { &[false, true] } else { &[false] };
+    for &d in kinds {
+        for &batch in decode_batches {
+            out.push(Bucket { kind: ProgramKind::Decode { batch }, tokens: batch, seqs: batch, logit_rows: batch, pages_per_seq, draft: d });
+        }
     }
     out
 }
@@ -152,18 +159,34 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
         Dim::AttentionSplits => attention_splits_cap(bucket.tokens),
         Dim::Fixed(n) => n,
     };
+    // the model's steps or the draft's; values only the other one's steps touch take no memory
+    let draft = graph.draft.as_ref().filter(|_| bucket.draft);
+    let (own, other): (&[Step], &[Step]) = match (&graph.draft, draft) {
+        (_, Some(d)) => (&d.steps, &graph.steps),
+        (Some(d), None) => (&graph.steps, &d.steps),
+        (None, None) => (&graph.steps, &[]),
+    };
+    let touched = |steps: &[Step]| -> std::collections::HashSet<BufId> { steps.iter().flat_map(|s| s.op.reads().into_iter().chain(s.op.writes())).collect() };
+    let (mine, theirs) = (touched(own), touched(other));
+    let (hidden_in, hidden_out, logits) = match (&graph.draft, draft) {
+        (_, Some(d)) => (Some(BufId(d.hidden_in)), Some(BufId(d.hidden_out)), BufId(d.logits)),
+        (Some(d), None) => (None, Some(BufId(d.model_hidden)), BufId(graph.logits)),
+        (None, None) => (None, None, BufId(graph.logits)),
+    };
     let buffers = graph
         .values
         .iter()
-        .map(|v| {
-            let shape: Vec<usize> = v.dims.iter().map(size).collect();
+        .enumerate()
+        .map(|(i, v)| {
+            let id = BufId(i as u32);
+            let unused = theirs.contains(&id) && !mine.contains(&id) && hidden_in != Some(id) && hidden_out != Some(id);
+            let shape: Vec<usize> = if unused { vec![0] } else { v.dims.iter().map(size).collect() };
             let bytes = shape.iter().product::<usize>() as u64 * v.dtype.size() as u64;
             Buffer { name: v.name.clone(), dtype: v.dtype, shape, offset: 0, bytes }
         })
         .collect();
     let decode = matches!(bucket.kind, ProgramKind::Decode { .. });
-    let mut steps: Vec<Step> = graph
-        .steps
+    let mut steps: Vec<Step> = own
         .iter()
         .cloned()
         .map(|mut s| {
@@ -183,6 +206,7 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
     let i = graph.inputs;
     let name = match bucket.kind {
         ProgramKind::Prefill { chunk } => format!("prefill_{chunk}"),
+        ProgramKind::Decode { batch } if bucket.draft => format!("draft_{batch}"),
         ProgramKind::Decode { batch } => format!("decode_{batch}"),
     };
     Program {
@@ -200,10 +224,12 @@ pub fn specialize(graph: &Graph, bucket: &Bucket) -> Program {
             page_table: BufId(i.page_table),
             logit_rows: BufId(i.logit_rows),
         },
-        logits: BufId(graph.logits),
+        logits,
         steps,
         workspace_bytes: 0,
         from_position: 0,
+        hidden_out,
+        hidden_in,
     }
 }
 

@@ -12,7 +12,7 @@ fn fail(pass: &'static str, message: String) -> CompileError {
 pub fn program(pass: &'static str, p: &Program, slots: &[WeightSlot], cfg: &ModelConfig, ranks: usize) -> Result<(), CompileError> {
     let mut written = vec![false; p.buffers.len()];
     let i = p.inputs;
-    for b in [i.ids, i.positions, i.token_seq, i.slots, i.page_table, i.logit_rows] {
+    for b in [i.ids, i.positions, i.token_seq, i.slots, i.page_table, i.logit_rows].into_iter().chain(p.hidden_in) {
         written[b.0 as usize] = true;
     }
     for (n, step) in p.steps.iter().enumerate() {
@@ -36,6 +36,9 @@ pub fn program(pass: &'static str, p: &Program, slots: &[WeightSlot], cfg: &Mode
         for b in step.op.writes() {
             written[b.0 as usize] = true;
         }
+    }
+    if let Some(h) = p.hidden_out.filter(|h| !written[h.0 as usize]) {
+        return Err(fail(pass, format!("{}: nothing writes the hidden rows `{}` it leaves for the draft", p.name, p.buffer(h).name)));
     }
     if !written[p.logits.0 as usize] {
         return Err(fail(pass, format!("{}: nothing writes the logits", p.name)));

@@ -135,6 +135,9 @@ pub struct Inputs {
     /// `[seqs, pages_per_seq]` row-major.
     pub page_table: Vec<i32>,
     pub logit_rows: Vec<i32>,
+    /// A draft program's `[tokens, hidden]` input rows ([`Program::hidden_in`]); empty for the
+    /// model's own programs.
+    pub hidden: Vec<f32>,
 }
 
 impl Inputs {
@@ -167,6 +170,8 @@ impl Inputs {
             v.clear();
             v.resize(size(b), fill);
         }
+        self.hidden.clear();
+        self.hidden.resize(program.hidden_in.map_or(0, size), 0.0);
     }
 }
 
@@ -341,6 +346,13 @@ impl CpuBackend {
         self.ranks.get(rank)?.i.get(buf.0 as usize)?.get(..n)
     }
 
+    /// The `[tokens, hidden]` final normed hidden rows the last replay left, in plans with a
+    /// draft model ([`Program::hidden_out`]): what a draft step takes as input.
+    pub fn hidden_out(&self) -> Option<&[f32]> {
+        let last = self.last?;
+        self.buffer_f32(0, last, self.plan.programs[last].hidden_out?)
+    }
+
     /// The program the last replay ran (its buffers are what [`CpuBackend::buffer_f32`] shows).
     pub fn last_program(&self) -> Option<usize> {
         self.last
@@ -373,6 +385,11 @@ impl CpuBackend {
                     DType::I32 => grow(&mut rank.i[b], n),
                     _ => grow(&mut rank.f[b], n),
                 }
+            }
+            if let Some(b) = program.hidden_in {
+                // as a BF16 buffer holds them
+                let round = Round::for_dtype(program.buffer(b).dtype, self.opts.precision);
+                rank.f[b.0 as usize].iter_mut().zip(&inputs.hidden).for_each(|(d, &v)| *d = round.apply(v));
             }
         }
         let cx = Cx { plan: &self.plan, program, opts: self.opts, rope: &self.rope };
@@ -432,6 +449,10 @@ pub(crate) fn check_inputs(plan: &Plan, p: &Program, inputs: &Inputs) -> Result<
         if v.len() != numel(p, b) {
             return Err(bad(what, format!("{} values, the program takes {}", v.len(), numel(p, b))));
         }
+    }
+    let hidden = p.hidden_in.map_or(0, |b| numel(p, b));
+    if inputs.hidden.len() != hidden {
+        return Err(bad("hidden", format!("{} values, the program takes {hidden}", inputs.hidden.len())));
     }
     let kv = &plan.memory.kv;
     let page_size = kv.page_size.max(1);

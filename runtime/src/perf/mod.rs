@@ -535,7 +535,8 @@ pub fn report(plan: &Plan, k: &Constants, mut notes_extra: Vec<String>, step: To
     let mut prefill = Vec::new();
     for p in &plan.programs {
         match p.kind {
-            ProgramKind::Decode { batch } => {
+            // (a draft model's programs are not in the decode table)
+            ProgramKind::Decode { batch } if !p.is_draft() => {
                 for &c in &contexts {
                     let perf = predict_program(plan, p, &Load::decode(p.tokens, batch, c, experts, ranks), k)?;
                     decode.push(DecodeRow { batch, step: StepPerf::of(p, c, batch, &perf, k) });
@@ -547,7 +548,7 @@ pub fn report(plan: &Plan, k: &Constants, mut notes_extra: Vec<String>, step: To
                 prefill.push(PrefillRow { chunk, prefix: 0, step: StepPerf::of(p, chunk, chunk, &perf, k) });
             }
             // (a variant for chunks deep in a context: at the contexts below)
-            ProgramKind::Prefill { .. } => {}
+            ProgramKind::Prefill { .. } | ProgramKind::Decode { .. } => {}
         }
     }
     // The largest chunk, and every chunk size with a variant for deep chunks, as the last chunk

@@ -2,8 +2,10 @@
 //! drafts for each of `batch` sequences is a decode step of `batch x (1 + k)` rows (the engine
 //! feeds a sequence's drafts as rows at its next positions), so its time is the decode program's
 //! for that many rows. If each draft is accepted with probability `a` once the ones before it
-//! were, a sequence gains `1 + a + ... + a^k` tokens a step. Drafts are assumed free (prompt
-//! lookup; a draft model such as GLM-5's MTP layer would add its own steps).
+//! were, a sequence gains `1 + a + ... + a^k` tokens a step. Drafts are free from prompt lookup;
+//! a plan with a draft model (`kiln compile --draft mtp-nvfp4`) also gets the draft steps' time
+//! the engine spends: one draft step of up to `batch x (1 + k)` rows (the positions the last
+//! step accepted, the first draft) and `k - 1` of `batch` rows (each further draft).
 
 use super::{predict_program, uniform_experts, Constants, Load};
 use crate::plan::{Plan, ProgramKind};
@@ -33,6 +35,10 @@ pub struct SpeculativeRow {
     /// Tokens/s (P2P) at each rate of [`ACCEPTANCE`], and with every draft accepted.
     pub tokens_per_s_p2p: Vec<f64>,
     pub tokens_per_s_p2p_all_accepted: f64,
+    /// With the plan's draft model: the P2P time of its steps for these drafts, and tokens/s
+    /// (P2P) at each rate of [`ACCEPTANCE`] counting them; None without a draft model.
+    pub draft_ms_p2p: Option<f64>,
+    pub tokens_per_s_p2p_with_draft: Option<Vec<f64>>,
 }
 
 /// Tokens a sequence gains from a step checking `drafts` drafts at acceptance `a`.
@@ -66,21 +72,27 @@ pub fn break_even(ratio: f64, drafts: usize) -> Option<f64> {
 pub fn rows(plan: &Plan, k: &Constants, contexts: &[usize]) -> Result<Vec<SpeculativeRow>, String> {
     let ranks = plan.ranks();
     let experts = |t: usize| uniform_experts(plan, t);
-    let batches: Vec<usize> = plan.programs.iter().filter_map(|p| if let ProgramKind::Decode { batch } = p.kind { Some(batch) } else { None }).collect();
+    let batches: Vec<usize> = plan.programs.iter().filter(|p| !p.is_draft()).filter_map(|p| if let ProgramKind::Decode { batch } = p.kind { Some(batch) } else { None }).collect();
     let mut out = Vec::new();
     for &batch in &batches {
         for &context in contexts {
-            let step = |rows: usize| -> Result<Option<(String, f64, f64)>, String> {
-                let Some(i) = plan.decode_program(rows) else { return Ok(None) };
+            let program_step = |i: Option<usize>, rows: usize| -> Result<Option<(String, f64, f64)>, String> {
+                let Some(i) = i else { return Ok(None) };
                 let p = &plan.programs[i];
                 let perf = predict_program(plan, p, &Load::decode(p.tokens, rows, context, experts, ranks), k)?;
                 Ok(Some((p.name.clone(), perf.step_us(false), perf.step_us(true))))
             };
+            let step = |rows: usize| program_step(plan.decode_program(rows), rows);
+            let draft_step = |rows: usize| -> Result<Option<f64>, String> { Ok(program_step(plan.draft_program(rows), rows)?.map(|(.., p2p)| p2p)) };
             let Some((_, _, plain)) = step(batch)? else { continue };
             for drafts in 1..=MAX_DRAFTS {
                 let rows = batch * (1 + drafts);
                 let Some((program, nccl, p2p)) = step(rows)? else { break };
                 let per_s = |a: f64| batch as f64 * expected_tokens(a, drafts) / p2p * 1e6;
+                let draft_us = match (draft_step(rows)?, draft_step(batch)?) {
+                    (Some(first), Some(next)) => Some(first + (drafts - 1) as f64 * next),
+                    _ => None,
+                };
                 out.push(SpeculativeRow {
                     batch,
                     context,
@@ -93,6 +105,8 @@ pub fn rows(plan: &Plan, k: &Constants, contexts: &[usize]) -> Result<Vec<Specul
                     break_even_acceptance: break_even(p2p / plain, drafts),
                     tokens_per_s_p2p: ACCEPTANCE.iter().map(|&a| per_s(a)).collect(),
                     tokens_per_s_p2p_all_accepted: per_s(1.0),
+                    draft_ms_p2p: draft_us.map(|d| d / 1e3),
+                    tokens_per_s_p2p_with_draft: draft_us.map(|d| ACCEPTANCE.iter().map(|&a| batch as f64 * expected_tokens(a, drafts) / (p2p + d) * 1e6).collect()),
                 });
             }
         }

@@ -22,14 +22,14 @@ pub use op::{AttentionForm, Epilogue, GatherPair, GroupMember, GroupNorm, Linear
 pub use program::{attention_splits_cap, BufId, Buffer, Dim, KernelFamily, Program, ProgramInputs, ProgramKind, Step};
 pub use target::{Arch, Target};
 pub use weights::{
-    fingerprint, MoeParallel, Parallelism, ShardChoice, Shard, TensorChoice, TensorInfo, Transform, WeightId,
+    fingerprint, MoeParallel, Nvfp4Part, Parallelism, ShardChoice, Shard, TensorChoice, TensorInfo, Transform, WeightId,
     WeightKind, WeightSlot, WeightSource,
 };
 
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever the serialized layout of [`Plan`] changes; the runtime refuses other versions.
-pub const FORMAT_VERSION: u32 = 17;
+pub const FORMAT_VERSION: u32 = 18;
 
 /// A compiled model for one target: the unit the runtime loads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -88,15 +88,29 @@ impl Plan {
 
     /// The largest decode batch of the plan (None: it has no decode program).
     pub fn max_decode_batch(&self) -> Option<usize> {
-        self.programs.iter().filter_map(|p| if let ProgramKind::Decode { batch } = p.kind { Some(batch) } else { None }).max()
+        self.programs.iter().filter(|p| !p.is_draft()).filter_map(|p| if let ProgramKind::Decode { batch } = p.kind { Some(batch) } else { None }).max()
     }
 
     /// Index of the smallest decode program that holds `batch` sequences, if any.
     pub fn decode_program(&self, batch: usize) -> Option<usize> {
+        self.smallest_decode(batch, false)
+    }
+
+    /// Index of the smallest draft program (`kiln compile --draft mtp`) of at least `rows` rows.
+    pub fn draft_program(&self, rows: usize) -> Option<usize> {
+        self.smallest_decode(rows, true)
+    }
+
+    /// Whether the plan carries a draft model.
+    pub fn has_draft(&self) -> bool {
+        self.programs.iter().any(Program::is_draft)
+    }
+
+    fn smallest_decode(&self, rows: usize, draft: bool) -> Option<usize> {
         self.programs
             .iter()
             .enumerate()
-            .filter(|(_, p)| matches!(p.kind, ProgramKind::Decode { batch: b } if b >= batch))
+            .filter(|(_, p)| p.is_draft() == draft && matches!(p.kind, ProgramKind::Decode { batch: b } if b >= rows))
             .min_by_key(|(_, p)| p.tokens)
             .map(|(i, _)| i)
     }

@@ -133,7 +133,8 @@ impl Step {
 pub enum ProgramKind {
     /// One sequence, a chunk of up to `chunk` new tokens appended after its cached prefix.
     Prefill { chunk: usize },
-    /// Up to `batch` sequences, one new token each.
+    /// Up to `batch` sequences, one new token each (or consecutive tokens of one sequence). A
+    /// draft program ([`Program::is_draft`]) is a decode program of the draft model.
     Decode { batch: usize },
 }
 
@@ -174,11 +175,24 @@ pub struct Program {
     /// chunk size; a variant of a size for chunks deep in a context (where its sequence-parallel
     /// indexer pays) has the position from which it does.
     pub from_position: usize,
+    /// Plans with a draft model (`kiln compile --draft mtp`): the `[tokens, hidden]` BF16 rows of
+    /// the final normed hidden state the replay leaves (the model's after `model.norm`; a draft
+    /// program's its own after `shared_head.norm`), which the next draft step continues from.
+    pub hidden_out: Option<BufId>,
+    /// A draft program (the checkpoint's MTP layer): its `[tokens, hidden]` BF16 input rows, the
+    /// hidden state each row continues from (row p: the hidden state at position p, beside the
+    /// token at p + 1 in `ids`). None: one of the model's own programs.
+    pub hidden_in: Option<BufId>,
 }
 
 impl Program {
     pub fn buffer(&self, id: BufId) -> &Buffer {
         &self.buffers[id.0 as usize]
+    }
+
+    /// A draft model's program (see [`Program::hidden_in`]).
+    pub fn is_draft(&self) -> bool {
+        self.hidden_in.is_some()
     }
 
     pub fn all_reduces(&self) -> usize {

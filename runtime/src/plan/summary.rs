@@ -109,6 +109,7 @@ pub fn summarize(plan: &Plan) -> Summary {
                 name: p.name.clone(),
                 kind: match p.kind {
                     ProgramKind::Prefill { .. } => "prefill".into(),
+                    ProgramKind::Decode { .. } if p.is_draft() => "draft".into(),
                     ProgramKind::Decode { .. } => "decode".into(),
                 },
                 tokens: p.tokens,

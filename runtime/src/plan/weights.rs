@@ -130,6 +130,26 @@ pub enum Shard {
 pub enum Transform {
     /// Copy the (sliced) bytes as they are.
     Identity,
+    /// Take columns `start..start + len` of the 2-d tensor first (the shard then splits that
+    /// `[rows, len]` view): one part of a linear whose input is a concatenation, computed as a
+    /// linear of each part (the MTP layer's `eh_proj` over `[embedding, hidden]`).
+    Columns { start: u32, len: u32 },
+    /// Quantise the BF16 `[n, k]` tensor to NVFP4 as ModelOpt does
+    /// ([`crate::numerics::quantize_nvfp4`]) and take this part of the result (the shard then
+    /// splits that part): a checkpoint's BF16 linear run by the NVFP4 kernels (the MTP layer's
+    /// experts under `kiln compile --draft mtp-nvfp4`).
+    Nvfp4(Nvfp4Part),
+}
+
+/// One tensor of an NVFP4 linear.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Nvfp4Part {
+    /// `[n, k/2]` U8: two E2M1 codes a byte, the even K index in the low nibble.
+    Codes,
+    /// `[n, k/16]` F8E4M3 block scales.
+    Scales,
+    /// The F32 scalar `weight_scale_2`.
+    Scale2,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -125,8 +125,10 @@ fn ks_allowed(ks: u32, tiles: usize, steps: usize, sums: usize, min_per: usize) 
 /// column block, the partial sums written and read once per slice, over the SMs the blocks
 /// occupy; the cheapest wins (ties: the earlier, so fewer slices). At decode batch 64 a
 /// 2,048-row projection becomes 128 split blocks instead of 16 tiled ones; a 32-row one at
-/// batch 1 shares its K over 48 blocks instead of one block per 8 rows.
-pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Constants) -> (Bf16Form, f64) {
+/// batch 1 shares its K over 48 blocks instead of one block per 8 rows. `out_f32`: the output is
+/// F32, whose decode tiles take K over at most `MAX_SHORT_KS` blocks (ptxas 12.9 spills the
+/// sm_120a 64-row tile adding 24 slices into F32 outputs: the MTP layer's eh_proj halves).
+pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, out_f32: bool, consts: &Constants) -> (Bf16Form, f64) {
     let tiled = Bf16Form { split: 0, mt: if x_bf16 && m > GEMM_BM { 4 } else { 2 }, nt: 1, ks: 1 };
     let cost = bf16_cost(m, n, k, x_bf16, None, consts);
     if m > BF16_SPLIT_MAX_M {
@@ -146,7 +148,8 @@ pub fn bf16_gemm_form(m: usize, n: usize, k: usize, x_bf16: bool, consts: &Const
         let best = cheapest(bf16_tiled_forms(tiled, m, n, k).filter(|f| f.ks <= MAX_PREFILL_KS).chain(wide).chain(short).chain(split), &cost).unwrap_or(tiled);
         return (best, cost(&best));
     }
-    let best = cheapest(bf16_split_forms(m, n, k).chain(bf16_tiled_forms(tiled, m, n, k)), &cost).unwrap_or(tiled);
+    let tiles = bf16_tiled_forms(tiled, m, n, k).filter(|f| !out_f32 || f.ks <= MAX_SHORT_KS);
+    let best = cheapest(bf16_split_forms(m, n, k).chain(tiles), &cost).unwrap_or(tiled);
     (best, cost(&best))
 }
 
@@ -276,7 +279,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
             // (256-row ones again where the byte model prefers them); F32 activations (three
             // BF16 planes) and short ones keep 64 rows.
             let base = LinearBf16GemmParams { arch: cx.arch, m: u(m), n: u(n), k: u(k), segs: 1, c1: 0, c2: 0, c3: 0, split: 0, ks: 1, partials: 0, mt: 2, nt: 1, kb: BF16_KB, nbuf: 2, threads: THREADS, x_bf16, out_bf16, norm: 0, nw_bf16: 0, batch: 1, xld: 0, old: 0, woff: 0, xb: 0, wb: 0, ob: 0 };
-            let (form, _) = bf16_gemm_form(m, n, k, x_bf16 == 1, &cx.consts);
+            let (form, _) = bf16_gemm_form(m, n, k, x_bf16 == 1, out_bf16 == 0, &cx.consts);
             let partials = if form.ks > 1 { SplitKLayout::PARTIALS as u32 } else { 0 };
             let params = tiled_ring(LinearBf16GemmParams { split: form.split, mt: form.mt, nt: form.nt, ks: form.ks, partials, ..base }, cx.smem_limit)?;
             let (bm, bn) = form.block();
@@ -357,7 +360,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
 /// (all its launches: one per part of an NVFP4 linear without SiLU); None for an empty linear or
 /// an NVFP4 shape the template does not take.
 pub(super) fn predicted(cx: &Cx, op: &Op) -> Option<(bool, f64)> {
-    let Op::Linear { input, ref weights, ref parts, k, epilogue, .. } = *op else {
+    let Op::Linear { input, ref weights, ref parts, k, epilogue, out } = *op else {
         return None;
     };
     let p = cx.program;
@@ -369,7 +372,7 @@ pub(super) fn predicted(cx: &Cx, op: &Op) -> Option<(bool, f64)> {
     let x_bf16 = p.buffer(input).dtype == kiln_runtime::plan::DType::BF16;
     match *weights {
         LinearWeights::Bf16 { .. } => {
-            let (form, us) = bf16_gemm_form(m, n, k, x_bf16, &cx.consts);
+            let (form, us) = bf16_gemm_form(m, n, k, x_bf16, p.buffer(out).dtype == kiln_runtime::plan::DType::F32, &cx.consts);
             Some((form.ks > 1, us))
         }
         LinearWeights::Nvfp4 { .. } => {
@@ -483,7 +486,7 @@ mod tests {
 
     #[test]
     fn bf16_gemms_pick_the_form_the_byte_model_prefers() {
-        let form = |m, n, k, x_bf16| bf16_gemm_form(m, n, k, x_bf16, &Constants::SM120A).0;
+        let form = |m, n, k, x_bf16| bf16_gemm_form(m, n, k, x_bf16, false, &Constants::SM120A).0;
         // A 2,048 x 6144 projection at decode batch 64 on 188 SMs: 16 tiled blocks draw 16/188
         // of the bandwidth for 37.8 MB, 444 MB-equivalents; two row blocks of 32 rows and 32
         // weight rows make 128 blocks for 100.7 MB, 148; one row block of 64 rows (weights
@@ -556,7 +559,7 @@ mod tests {
 
     #[test]
     fn short_chunks_narrow_projections_fill_the_sms() {
-        let form = |m, n, k| bf16_gemm_form(m, n, k, true, &Constants::SM120A).0;
+        let form = |m, n, k| bf16_gemm_form(m, n, k, true, false, &Constants::SM120A).0;
         // q_a's 256 columns of a 128-token chunk: 128-row tiles are 2 blocks, 12 with their most
         // slices (6); 64-row tiles (4) with K over 12 blocks (the most sm_90a's ptxas takes
         // without spills) make 48; split blocks of 32 rows and 32 weight rows with K over 6
