@@ -67,8 +67,7 @@ impl Backend {
     }
 
     fn run(&mut self, index: usize, inputs: &Inputs) -> Result<&[f32], RuntimeError> {
-        let program = &self.plan().programs[index];
-        if program.is_draft() && !matches!(self, Backend::Cpu(_)) {
+        if let Some(program) = self.plan().programs.get(index).filter(|p| p.is_draft() && !matches!(self, Backend::Cpu(_))) {
             return Err(RuntimeError::Unsupported { message: format!("`{}` is a draft program; draft programs run on the CPU backend so far", program.name) });
         }
         match self {

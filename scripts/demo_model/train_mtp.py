@@ -200,39 +200,32 @@ def export(mtp, cfg, out: str, summary: dict):
     for k in ("eh_proj", "enorm", "hnorm"):
         tensors[f"model.layers.{layer}.{k}.weight"] = getattr(mtp, k).detach().to(torch.bfloat16)
     save_file(dict(sorted(tensors.items())), os.path.join(out, "mtp.safetensors"), metadata={"format": "pt"})
-    index_path = os.path.join(out, "model.safetensors.index.json")
-    with open(index_path) as f:
-        index = json.load(f)
-    wm = {k: v for k, v in index["weight_map"].items() if not k.startswith(f"model.layers.{layer}.")}
-    wm.update({k: "mtp.safetensors" for k in tensors})
-    index["weight_map"] = dict(sorted(wm.items()))
-    with open(index_path, "w") as f:
-        json.dump(index, f, indent=2)
-        f.write("\n")
-    config_path = os.path.join(out, "config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    config["num_nextn_predict_layers"] = 1
-    with open(config_path, "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-        f.write("\n")
-    hq_path = os.path.join(out, "hf_quant_config.json")
-    with open(hq_path) as f:
-        hq = json.load(f)
-    excl = hq["quantization"]["exclude_modules"]
-    if f"model.layers.{layer}*" not in excl:
-        excl.append(f"model.layers.{layer}*")
-    with open(hq_path, "w") as f:
-        json.dump(hq, f, indent=2)
-        f.write("\n")
-    log_path = os.path.join(out, "train_log.json")
-    with open(log_path) as f:
-        log = json.load(f)
-    log["mtp"] = summary
-    with open(log_path, "w") as f:
-        json.dump(log, f, indent=1)  # as train.py writes it
-        f.write("\n")
+
+    def index(j):
+        wm = {k: v for k, v in j["weight_map"].items() if not k.startswith(f"model.layers.{layer}.")}
+        wm.update({k: "mtp.safetensors" for k in tensors})
+        j["weight_map"] = dict(sorted(wm.items()))
+
+    def exclude(j):
+        excl = j["quantization"]["exclude_modules"]
+        if f"model.layers.{layer}*" not in excl:
+            excl.append(f"model.layers.{layer}*")
+
+    # each file keeps the layout its writer gave it
+    edit_json(os.path.join(out, "model.safetensors.index.json"), index, indent=2)
+    edit_json(os.path.join(out, "config.json"), lambda j: j.update(num_nextn_predict_layers=1), indent=2, sort_keys=True)
+    edit_json(os.path.join(out, "hf_quant_config.json"), exclude, indent=2)
+    edit_json(os.path.join(out, "train_log.json"), lambda j: j.update(mtp=summary), indent=1)
     print(f"wrote {len(tensors)} MTP tensors to {out}")
+
+
+def edit_json(path: str, edit, **layout):
+    with open(path) as f:
+        j = json.load(f)
+    edit(j)
+    with open(path, "w") as f:
+        json.dump(j, f, **layout)
+        f.write("\n")
 
 
 if __name__ == "__main__":

@@ -84,10 +84,7 @@ impl<'a> Builder<'a> {
                 message: format!("`{}` and `{other}` are computed together but only one of them is excluded from NVFP4", modules[0]),
             });
         }
-        let scalar_role = match role {
-            ShardRole::Experts { .. } => ShardRole::Experts { tp_dim: None },
-            _ => ShardRole::Replicated,
-        };
+        let scalar_role = scalar_role(role);
         let group = |b: &mut Self, suffix: &str, dtype: DType, shape: Vec<usize>, role: ShardRole| -> Result<WeightId, CompileError> {
             let pieces = modules
                 .iter()
@@ -130,10 +127,7 @@ impl<'a> Builder<'a> {
         experts: Option<usize>,
         donor: usize,
     ) -> Result<LinearWeights, CompileError> {
-        let scalar_role = match role {
-            ShardRole::Experts { .. } => ShardRole::Experts { tp_dim: None },
-            _ => ShardRole::Replicated,
-        };
+        let scalar_role = scalar_role(role);
         let layer = format!("model.layers.{}.", self.cfg.num_hidden_layers);
         let mut lent = Vec::new();
         for m in modules {
@@ -348,6 +342,15 @@ impl<'a> Builder<'a> {
             kernel,
         );
         Ok(out)
+    }
+}
+
+/// How a linear's scalars (`weight_scale_2`, `input_scale`) are held: whole on every rank, one
+/// per expert in an expert stack.
+fn scalar_role(role: ShardRole) -> ShardRole {
+    match role {
+        ShardRole::Experts { .. } => ShardRole::Experts { tp_dim: None },
+        _ => ShardRole::Replicated,
     }
 }
 
