@@ -300,3 +300,53 @@ fn a_prefills_short_tail_runs_as_a_decode_step() {
     assert!(sorted[sorted.len() / 2] <= MEDIAN_TOL && sorted[sorted.len() - 1] <= ROW_TOL, "{errs:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The draft programs on the emulator (`--draft mtp-nvfp4`: the demo model's trained MTP layer,
+/// its experts quantised to NVFP4 at bind, sm_120a at TP 2): after a prefill, one draft step over
+/// every prompt position (consecutive rows of one sequence, each beside the model's hidden row)
+/// and a chained one-row step from the draft's own hidden row; the draft logits and hidden rows
+/// against the CPU backend's on the same artifact (the module doc's tolerances; the prompt is
+/// shorter than index_topk, so no near-tie selection).
+#[test]
+fn draft_programs_on_the_emulator_match_the_cpu() {
+    use kiln_runtime::session::{DecodeRow, Runner};
+    let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("artifacts/demo-model");
+    let dir = scratch("draft");
+    let art = dir.join("art");
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["compile", demo.to_str().unwrap(), "--target", "sm_120a", "--tp", "2", "--no-ptxas", "--draft", "mtp-nvfp4"])
+        .args(["--prefill-chunk", "16", "--decode-batches", "1,2,4,8,16", "--max-context", "64", "-o"])
+        .arg(&art)
+        .output()
+        .expect("run kiln");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (_, ids) = golden_ids("demo");
+    let ids = &ids[..12];
+    let run = |backend: BackendKind| {
+        let mut r = Runner::open(&art, None, SessionOptions { backend, ..Default::default() }).unwrap();
+        let (vocab, h) = (r.vocab_size(), r.plan().model.hidden_size);
+        let pages: Vec<u32> = vec![0];
+        r.prefill(&pages, 0, ids, LogitRows::Last).unwrap();
+        let hidden = r.hidden().expect("the emulator keeps the hidden rows").to_vec();
+        assert_eq!(hidden.len(), ids.len() * h, "{backend:?}");
+        let rows: Vec<DecodeRow> = (0..ids.len() - 1).map(|p| DecodeRow { pages: &pages, pos: p, token: ids[p + 1] }).collect();
+        let mut logits: Vec<Vec<f32>> = r.draft(&rows, &hidden[..(ids.len() - 1) * h]).unwrap().chunks_exact(vocab).map(<[f32]>::to_vec).collect();
+        assert_eq!(r.last_program(), Some("draft_16"));
+        let own = r.hidden().unwrap().to_vec();
+        let next = argmax(logits.last().unwrap()) as u32;
+        let chained = [DecodeRow { pages: &pages, pos: ids.len() - 1, token: next }];
+        logits.push(r.draft(&chained, &own[own.len() - h..]).unwrap().to_vec());
+        let own: Vec<Vec<f32>> = own.chunks_exact(h).map(<[f32]>::to_vec).collect();
+        (logits, own, next)
+    };
+    let (cpu, cpu_hidden, cpu_next) = run(BackendKind::Cpu);
+    let (emu, emu_hidden, emu_next) = run(BackendKind::Emu);
+    assert_eq!(emu_next, cpu_next, "the first draft after the prompt");
+    for (what, e, c) in [("draft logits", &emu, &cpu), ("draft hidden rows", &emu_hidden, &cpu_hidden)] {
+        let mut errs: Vec<f64> = e.iter().zip(c.iter()).map(|(a, b)| rel_l2(a, b)).collect();
+        errs.sort_by(f64::total_cmp);
+        eprintln!("{what}: rel-L2 median {:.2e} max {:.2e} over {} rows", errs[errs.len() / 2], errs[errs.len() - 1], errs.len());
+        assert!(errs[errs.len() / 2] <= MEDIAN_TOL && errs[errs.len() - 1] <= ROW_TOL, "{what}: {errs:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

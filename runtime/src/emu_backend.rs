@@ -39,6 +39,8 @@ pub struct EmuBackend {
     modules: Vec<Module>,
     devices: Vec<Device>,
     logits: Vec<f32>,
+    /// The last replay's `hidden_out` rows (plans with a draft model), rank 0's.
+    hidden: Vec<f32>,
 }
 
 fn internal(m: impl Into<String>) -> RuntimeError {
@@ -94,7 +96,7 @@ impl EmuBackend {
                 d.mem.write(r, 0, &table);
             }
         }
-        Ok(EmuBackend { plan, modules, devices, logits: Vec::new() })
+        Ok(EmuBackend { plan, modules, devices, logits: Vec::new(), hidden: Vec::new() })
     }
 
     pub fn plan(&self) -> &Plan {
@@ -110,6 +112,10 @@ impl EmuBackend {
             for (_, b, v) in inputs.by_buffer(program) {
                 let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
                 d.mem.write(d.workspace, program.buffer(b).offset as usize, &bytes);
+            }
+            // a draft program's hidden rows, rounded to the buffer's dtype as the CPU backend does
+            if let Some(b) = program.hidden_in {
+                write_floats(d, program, b, &inputs.hidden);
             }
         }
         for (s, step) in program.steps.iter().enumerate() {
@@ -153,7 +159,14 @@ impl EmuBackend {
             }
         }
         self.logits = read_floats(&self.devices[0], program, program.logits);
+        self.hidden = program.hidden_out.map(|b| read_floats(&self.devices[0], program, b)).unwrap_or_default();
         Ok(&self.logits)
+    }
+
+    /// The `[tokens, hidden]` rows of the final normed hidden state the last replay left, in
+    /// plans with a draft model ([`Program::hidden_out`]).
+    pub fn hidden_out(&self) -> Option<&[f32]> {
+        (!self.hidden.is_empty()).then_some(&self.hidden[..])
     }
 }
 

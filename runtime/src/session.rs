@@ -67,8 +67,8 @@ impl Backend {
     }
 
     fn run(&mut self, index: usize, inputs: &Inputs) -> Result<&[f32], RuntimeError> {
-        if let Some(program) = self.plan().programs.get(index).filter(|p| p.is_draft() && !matches!(self, Backend::Cpu(_))) {
-            return Err(RuntimeError::Unsupported { message: format!("`{}` is a draft program; draft programs run on the CPU backend so far", program.name) });
+        if let Some(program) = self.plan().programs.get(index).filter(|p| p.is_draft() && matches!(self, Backend::Cuda(_))) {
+            return Err(RuntimeError::Unsupported { message: format!("`{}` is a draft program; draft programs run on the CPU and emulator backends so far", program.name) });
         }
         match self {
             Backend::Cpu(b) => b.run(index, inputs),
@@ -389,7 +389,7 @@ impl Runner {
     /// from [`Runner::hidden`] after the call that computed `pos`, or the draft's own from its
     /// previous step); the row writes the draft layer's KV at `pos` and returns the draft's
     /// logits for the token at `pos + 2`, `[rows, vocab]`. Rows may be consecutive positions of
-    /// one sequence, as in [`Runner::decode`]. CPU backend only so far.
+    /// one sequence, as in [`Runner::decode`]. CPU and emulator backends so far.
     pub fn draft(&mut self, batch: &[DecodeRow<'_>], hidden: &[f32]) -> Result<&[f32], RuntimeError> {
         let h = self.plan().model.hidden_size;
         if hidden.len() != batch.len() * h {
@@ -403,18 +403,21 @@ impl Runner {
 
     /// The final normed hidden state of every token of the last prefill, decode or draft call,
     /// `[tokens, hidden_size]` (a draft call's: the draft's own, after `shared_head.norm`), in
-    /// plans with a draft model on the CPU backend; None elsewhere.
+    /// plans with a draft model on the CPU and emulator backends; None elsewhere.
     pub fn hidden(&self) -> Option<&[f32]> {
-        (self.plan().has_draft() && matches!(self.backend, Backend::Cpu(_))).then_some(&self.hidden[..])
+        (self.plan().has_draft() && !matches!(self.backend, Backend::Cuda(_))).then_some(&self.hidden[..])
     }
 
     /// Appends the first `rows` hidden rows the last replay left (see [`Runner::hidden`]).
     fn keep_hidden(&mut self, rows: usize) {
         let h = self.plan().model.hidden_size;
-        if let Backend::Cpu(cpu) = &self.backend {
-            if let Some(out) = cpu.hidden_out() {
-                self.hidden.extend_from_slice(&out[..rows * h]);
-            }
+        let out = match &self.backend {
+            Backend::Cpu(b) => b.hidden_out(),
+            Backend::Emu(b) => b.hidden_out(),
+            Backend::Cuda(_) => None,
+        };
+        if let Some(out) = out {
+            self.hidden.extend_from_slice(&out[..rows * h]);
         }
     }
 

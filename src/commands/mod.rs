@@ -44,8 +44,8 @@ pub fn draft_model(max_draft: usize, ngram: usize, plan: &kiln_runtime::plan::Pl
     if !plan.has_draft() {
         anyhow::bail!("--speculative-draft: the artifact has no draft model; compile it with --draft mtp from a checkpoint that has the MTP layer");
     }
-    if backend != kiln_runtime::session::BackendKind::Cpu {
-        anyhow::bail!("--speculative-draft: the draft programs run on the CPU backend so far (--backend cpu)");
+    if backend == kiln_runtime::session::BackendKind::Cuda {
+        anyhow::bail!("--speculative-draft: the draft programs run on the CPU and emulator backends so far (--backend cpu or emu)");
     }
     Ok(Some(max_draft))
 }

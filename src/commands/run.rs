@@ -58,7 +58,8 @@ pub struct Args {
     /// checkpoint's MTP layer): up to K draft tokens per request and step, the draft model's
     /// most likely tokens, checked by the model in the same decode step like
     /// --speculative-ngram's (the output is unchanged). The draft layer keeps its own KV cache,
-    /// fed with the model's hidden state at every position. CPU backend only so far. 0: off.
+    /// fed with the model's hidden state at every position. CPU and emulator backends so far.
+    /// 0: off.
     #[arg(long, default_value_t = 0, value_name = "K")]
     pub speculative_draft: usize,
 }
