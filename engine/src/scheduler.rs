@@ -574,7 +574,6 @@ impl Engine {
     /// The draft steps of [`Engine::model_drafts`]: `counts[j]` drafts for sequence `at[j]`.
     fn run_drafts(&mut self, at: &[usize], counts: &[usize], h: usize) -> Result<Vec<Vec<u32>>, String> {
         let vocab = self.limits.vocab_size;
-        let argmax = |row: &[f32]| row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(t, _)| t as u32);
         // first step: every sequence's positions not yet in the draft layer
         let mut items = Vec::new();
         let mut hidden = Vec::new();
@@ -598,7 +597,7 @@ impl Engine {
         let mut chain: Vec<Vec<f32>> = vec![Vec::new(); at.len()];
         for (j, row) in last_row.iter().enumerate() {
             if let (Some(r), true) = (*row, counts[j] > 0) {
-                drafts[j].push(argmax(&logits[r * vocab..(r + 1) * vocab]));
+                drafts[j].push(crate::sampling::argmax(&logits[r * vocab..(r + 1) * vocab]));
                 chain[j] = out[r * h..(r + 1) * h].to_vec();
             }
         }
@@ -618,7 +617,7 @@ impl Engine {
             let hidden: Vec<f32> = going.iter().flat_map(|&j| chain[j].iter().copied()).collect();
             let (logits, out) = self.model.draft(&items, &hidden)?;
             for (r, &j) in going.iter().enumerate() {
-                drafts[j].push(argmax(&logits[r * vocab..(r + 1) * vocab]));
+                drafts[j].push(crate::sampling::argmax(&logits[r * vocab..(r + 1) * vocab]));
                 chain[j] = out[r * h..(r + 1) * h].to_vec();
             }
         }
