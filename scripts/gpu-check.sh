@@ -10,8 +10,9 @@
 #   against `kiln inspect --perf`, per-kernel times under ncu where installed, and again as
 #   compiled with --no-merge (do merged and chained launches pay on silicon?) -> kiln serve
 #   --backend cuda + kiln bench at several concurrencies -> decode tok/s of cuda and cpu in the
-#   same run; graph build time and weight upload GB/s from the backend's log -> the GLM-5 slice
-#   decoding with prompt-lookup drafts: a speculative step's measured cost against the model's.
+#   same run; graph build time and weight upload GB/s from the backend's log -> the trained demo
+#   model's MTP layer drafting on the GPU -> the GLM-5 slice decoding with prompt-lookup drafts
+#   and with its MTP layer's: a speculative step's measured cost against the model's.
 #
 # Usage: scripts/gpu-check.sh [--quick]
 #   KILN_BIN=/path/to/kiln   a prebuilt (stripped) kiln; without it the script builds one (needs cargo)
@@ -115,9 +116,9 @@ tp=1
 [ "$gpus" -ge 2 ] && { [ "$quick" = 0 ] || [ "$double" = 1 ]; } && tp=2
 # every replicated projection split behind an all-gather (nothing to split at TP 1), so that on
 # 2+ GPUs the gathers run too (P2P kernel or NCCL)
-compile() { # NAME CKPT TP [MAX-CONTEXT]
+compile() { # NAME CKPT TP [MAX-CONTEXT [FLAGS...]]
   run compile 120 "$kiln" compile "$2" --target "$arch" --tp "$3" --decode-batches "$batches" \
-    --prefill-chunk "$chunk" --max-context "${4:-$context}" --split-projections all -o "$work/$1"
+    --prefill-chunk "$chunk" --max-context "${4:-$context}" --split-projections all -o "$work/$1" "${@:5}"
 }
 run synth 60 "$kiln" synth "$preset" -o "$work/tiny-ckpt" || record synth fail
 models=(demo)
@@ -238,6 +239,37 @@ EOF
     record trained-demo "$ok" "$fig"
   else
     record trained-demo fail
+  fi
+fi
+
+# ---- the trained MTP layer as a draft model ----------------------------------------------------
+# The demo model with its MTP layer compiled into draft programs (--draft mtp-nvfp4): verify
+# checks them step by step against the CPU, and the reply with up to 3 drafts a step must be the
+# CPU's plain reply above (drafts never change the output); how many drafts it accepted is
+# reported (the CPU backend accepts 48-49 % on the demo replies at 3 a step).
+if [ "$double" = 0 ] && [ -s "$work/trained-cpu.txt" ]; then
+  if compile trained-mtp "$root/artifacts/demo-model" "$tp" "$context" --draft mtp-nvfp4 &&
+     run trained-mtp 150 "$kiln" verify "$work/trained-mtp" --backend cuda &&
+     run_to trained-mtp 90 "$work/trained-mtp.txt" "$kiln" run "$work/trained-mtp" --backend cuda --chat \
+       --prompt "What is 37+45?" --max-tokens 96 --speculative-draft 3; then
+    fig=$("$python" - "$work/trained-mtp.txt" "$work/trained-cpu.txt" "$out/trained-mtp.log" <<'EOF'
+import json, re, sys
+def read(path):
+    try:
+        return open(path, errors="replace").read()
+    except OSError:
+        return ""
+drafts, plain = read(sys.argv[1]).strip(), read(sys.argv[2]).strip()
+counts = re.findall(r"speculative decoding: (\d+) draft tokens checked, (\d+) accepted", read(sys.argv[3]))
+checked, accepted = map(int, counts[-1]) if counts else (None, None)
+print(json.dumps({"same_text_as_cpu": bool(drafts) and drafts == plain, "drafts_checked": checked, "drafts_accepted": accepted,
+                  "acceptance": accepted / checked if checked else None}))
+EOF
+)
+    st=ok; case "$fig" in *'"same_text_as_cpu": true'*'"drafts_accepted": '[1-9]*) ;; *) st=fail ;; esac
+    record trained-mtp "$st" "$fig"
+  else
+    record trained-mtp fail
   fi
 fi
 
@@ -390,17 +422,23 @@ done
 # without and with prompt-lookup drafts (--speculative-ngram 3). Its zero weights make every
 # token the same, so the drafts are always right and each step yields up to 4 tokens: the two
 # speeds give the measured time of a speculative step over a 1-row step's, beside the model's
-# prediction (which also decides how many drafts run). Both runs must write the same text.
+# prediction (which also decides how many drafts run). The slice is compiled with its MTP layer
+# as a draft model (--draft mtp-nvfp4), so a third run drafts with it (--speculative-draft 3;
+# right every time on zero weights too): the measured step with its draft steps beside the
+# model's. Every run must write the same text.
 if [ "$double" = 0 ] && [ "$quick" = 0 ] && [ -d "$work/g5-ckpt" ] && [ -n "${prompt:-}" ]; then
   if [ "$(time_left)" -lt 90 ]; then
     record glm5-speculative skipped '{"why":"out of time"}'
   elif run glm5-speculative 120 "$kiln" compile "$work/g5-ckpt" --target "$arch" --tp 1 --decode-batches 1,2,4 \
-         --prefill-chunk 512 --max-context 8192 -o "$work/g5-spec" &&
+         --prefill-chunk 512 --max-context 8192 --draft mtp-nvfp4 -o "$work/g5-spec" &&
        run_to glm5-speculative 30 "$work/g5-spec-perf.json" "$kiln" inspect "$work/g5-spec" --perf --json &&
        run_to glm5-spec-plain 120 "$work/spec-plain.txt" "$kiln" run "$work/g5-spec" --backend cuda --prompt "$prompt" --max-tokens 128 &&
        run_to glm5-spec-drafts 120 "$work/spec-drafts.txt" "$kiln" run "$work/g5-spec" --backend cuda --prompt "$prompt" --max-tokens 128 --speculative-ngram 3; then
-    fig=$("$python" scripts/gpu_check_speculative.py "$work/g5-spec-perf.json" "$out/glm5-spec-plain.log" "$out/glm5-spec-drafts.log" "$work/spec-plain.txt" "$work/spec-drafts.txt")
+    # the MTP run is reported, not required: the first two already measure the decode step
+    run_to glm5-spec-mtp 120 "$work/spec-mtp.txt" "$kiln" run "$work/g5-spec" --backend cuda --prompt "$prompt" --max-tokens 128 --speculative-draft 3 || true
+    fig=$("$python" scripts/gpu_check_speculative.py "$work/g5-spec-perf.json" "$out/glm5-spec-plain.log" "$out/glm5-spec-drafts.log" "$work/spec-plain.txt" "$work/spec-drafts.txt" "$out/glm5-spec-mtp.log" "$work/spec-mtp.txt")
     st=ok; case "$fig" in *'"same_text": true'*) ;; *) st=fail; fig=${fig:-"{}"} ;; esac
+    case "$fig" in *'"mtp_same_text": false'*) st=fail ;; esac
     record glm5-speculative "$st" "$fig"
   else
     record glm5-speculative fail

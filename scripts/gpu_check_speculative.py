@@ -1,8 +1,9 @@
 """Figures of gpu-check.sh's glm5-speculative stage: `kiln run` of the same GLM-5 slice without
-and with prompt-lookup drafts (128 tokens, the first from the prefill), and the performance
-model's prediction for the same plan. Prints one JSON object.
+and with prompt-lookup drafts (128 tokens, the first from the prefill), optionally with drafts
+from its MTP layer, and the performance model's prediction for the same plan. Prints one JSON
+object.
 
-usage: gpu_check_speculative.py PERF_JSON PLAIN_LOG DRAFTS_LOG PLAIN_TEXT DRAFTS_TEXT
+usage: gpu_check_speculative.py PERF_JSON PLAIN_LOG DRAFTS_LOG PLAIN_TEXT DRAFTS_TEXT [MTP_LOG MTP_TEXT]
 """
 import json
 import re
@@ -21,11 +22,15 @@ def speed(log):
     return float(found[-1]) if found else None
 
 
-def main(perf_json, plain_log, drafts_log, plain_text, drafts_text):
+def draft_counts(log):
+    counts = re.search(r"speculative decoding: (\d+) draft tokens checked, (\d+) accepted", log)
+    return (int(counts.group(1)), int(counts.group(2))) if counts else (None, None)
+
+
+def main(perf_json, plain_log, drafts_log, plain_text, drafts_text, mtp_log=None, mtp_text=None):
     perf = json.loads(read(perf_json) or "{}").get("perf", {})
     plain, spec = speed(read(plain_log)), speed(read(drafts_log))
-    counts = re.search(r"speculative decoding: (\d+) draft tokens checked, (\d+) accepted", read(drafts_log))
-    checked, accepted = (int(counts.group(1)), int(counts.group(2))) if counts else (None, None)
+    checked, accepted = draft_counts(read(drafts_log))
     text_plain, text_drafts = read(plain_text).strip(), read(drafts_text).strip()
     figures = {
         "same_text": bool(text_plain) and text_plain == text_drafts,
@@ -46,8 +51,26 @@ def main(perf_json, plain_log, drafts_log, plain_text, drafts_text):
         figures["rows_per_step"] = (steps + checked) / steps
         # a speculative step's mean time over a 1-row step's
         figures["measured_step_over_1_row"] = (127 / spec / steps) / (1 / plain)
+    if mtp_log is not None:
+        mtp = speed(read(mtp_log))
+        m_checked, m_accepted = draft_counts(read(mtp_log))
+        text_mtp = read(mtp_text).strip() if mtp_text else ""
+        figures["mtp_same_text"] = (text_mtp == text_plain) if text_mtp else None
+        figures["measured_decode_tok_s_mtp"] = mtp
+        figures["mtp_drafts_checked"] = m_checked
+        figures["mtp_drafts_accepted"] = m_accepted
+        if mtp and m_accepted is not None and plain:
+            steps = 127 - m_accepted
+            # a step's mean time with its draft steps, in ms, and over a 1-row step's
+            figures["measured_mtp_step_ms"] = 127 / mtp / steps * 1e3
+            figures["measured_mtp_step_over_1_row"] = (127 / mtp / steps) / (1 / plain)
+        spec_rows = [r for r in perf.get("speculative", []) if r.get("batch") == 1 and r.get("context") == 2048 and r.get("drafts") == 3]
+        if spec_rows and 1 in rows:
+            r = spec_rows[0]
+            figures["predicted_mtp_step_ms"] = r["step_ms_p2p"] + r.get("draft_ms_p2p", 0.0)
+            figures["predicted_mtp_step_over_1_row"] = figures["predicted_mtp_step_ms"] / rows[1]["step_ms_p2p"]
     print(json.dumps(figures))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    main(*sys.argv[1:8])

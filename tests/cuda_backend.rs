@@ -253,6 +253,38 @@ fn verify_on_the_gpu_passes_step_by_step() {
     assert!(!out.contains("FAIL"), "{out}");
 }
 
+/// The demo model's trained MTP layer as a draft model (`--draft mtp-nvfp4`, TP 2) on the CUDA
+/// backend: `verify --backend cuda` checks every program, the draft programs' steps included
+/// (their hidden rows in as the CPU had them), and `kiln run --speculative-draft 2` replays the
+/// draft graphs with the model's hidden rows read back and written in by the backend: the same
+/// reply, drafts and accepted drafts as the emulator backend (bit for bit, as everywhere on the
+/// double), with drafts accepted (a draft fed wrong hidden rows would be right by chance only).
+#[test]
+fn the_mtp_draft_model_runs_on_cuda() {
+    let dir = scratch("draft");
+    let art = dir.join("art");
+    let flags = ["--draft", "mtp-nvfp4", "--prefill-chunk", "16", "--decode-batches", "1,2", "--max-context", "64"];
+    compile(&root().join("artifacts/demo-model"), 2, &flags, &art);
+    let mut c = kiln_cuda(&[]);
+    c.arg("verify").arg(&art).args(["--backend", "cuda"]);
+    let out = String::from_utf8_lossy(&run_ok(c, "kiln verify --backend cuda").stdout).into_owned();
+    assert!(out.contains("program draft_2") && out.contains("first step beyond tolerance: none") && !out.contains("FAIL"), "{out}");
+    let run = |backend: &str| {
+        let mut c = if backend == "cuda" { kiln_cuda(&[]) } else { kiln() };
+        c.arg("run").arg(&art).args(["--backend", backend, "--prompt", "What is the capital of France?", "--max-tokens", "8", "--speculative-draft", "2"]);
+        let o = run_ok(c, &format!("kiln run --backend {backend} --speculative-draft 2"));
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        let stats = err.lines().find(|l| l.starts_with("[speculative decoding:")).unwrap_or_else(|| panic!("no draft statistics:\n{err}")).to_string();
+        (String::from_utf8_lossy(&o.stdout).into_owned(), stats)
+    };
+    let (cuda, cuda_stats) = run("cuda");
+    let (emu, emu_stats) = run("emu");
+    assert_eq!(cuda, emu, "the reply");
+    assert_eq!(cuda_stats, emu_stats, "drafts checked and accepted");
+    let accepted: usize = cuda_stats.split(", ").nth(1).and_then(|a| a.split_whitespace().next()).and_then(|n| n.parse().ok()).expect("accepted count");
+    assert!(accepted > 0, "{cuda_stats}");
+}
+
 /// A machine with no CUDA driver at all (the double's directory is not on the path).
 fn driverless() -> Option<Command> {
     if Path::new("/dev/nvidiactl").exists() {

@@ -306,7 +306,7 @@ fn a_prefills_short_tail_runs_as_a_decode_step() {
 /// every prompt position (consecutive rows of one sequence, each beside the model's hidden row)
 /// and a chained one-row step from the draft's own hidden row; the draft logits and hidden rows
 /// against the CPU backend's on the same artifact (the module doc's tolerances; the prompt is
-/// shorter than index_topk, so no near-tie selection).
+/// shorter than index_topk, so no near-tie selection); then `kiln verify` of a 4-row draft step.
 #[test]
 fn draft_programs_on_the_emulator_match_the_cpu() {
     use kiln_runtime::session::{DecodeRow, Runner};
@@ -348,5 +348,10 @@ fn draft_programs_on_the_emulator_match_the_cpu() {
         eprintln!("{what}: rel-L2 median {:.2e} max {:.2e} over {} rows", errs[errs.len() / 2], errs[errs.len() - 1], errs.len());
         assert!(errs[errs.len() / 2] <= MEDIAN_TOL && errs[errs.len() - 1] <= ROW_TOL, "{what}: {errs:?}");
     }
+    // and step by step: every launch of a 4-row draft step on the CPU's values (verify's
+    // per-element tolerances)
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln")).arg("verify").arg(&art).args(["--backend", "emu", "--program", "draft_4"]).output().expect("run kiln");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && out.contains("program draft_4 (4 tokens") && out.contains("moe_experts") && out.contains("first step beyond tolerance: none"), "{out}{}", String::from_utf8_lossy(&o.stderr));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -258,16 +258,20 @@ pub fn fill_slot_region(plan: &Plan, files: &CheckpointFiles, slot: &WeightSlot,
             .data(&info.name)
             .ok_or_else(|| RuntimeError::internal(format!("tensor `{}` vanished after the check", info.name)))?;
         let dst = src.dst_offset as usize;
-        let derived;
-        let (data, info) = match src.transform {
-            Transform::Identity => (data, info),
-            transform => {
-                derived = transformed(data, info, transform).map_err(|m| RuntimeError::internal(format!("slot `{}` from `{}`: {m}", slot.name, info.name)))?;
-                (&derived.0[..], &derived.1)
-            }
+        let failed = |m: String| RuntimeError::internal(format!("slot `{}` from `{}`: {m}", slot.name, info.name));
+        // a quantised part: only the rank's share is quantised where its blocks allow
+        let piece = match src.transform {
+            Transform::Nvfp4(part) => nvfp4_piece(data, info, part, src.shard, rank).map_err(failed)?,
+            _ => None,
         };
-        let piece = copy_shard(data, info, src.shard, rank, region.get_mut(dst..).unwrap_or_default())
-            .map_err(|m| RuntimeError::internal(format!("slot `{}` from `{}`: {m}", slot.name, info.name)))?;
+        let shard = if piece.is_some() { Shard::Whole } else { src.shard };
+        let derived = match (piece, src.transform) {
+            (Some(piece), _) => Some(piece),
+            (None, Transform::Identity) => None,
+            (None, transform) => Some(transformed(data, info, transform).map_err(failed)?),
+        };
+        let (data, info) = derived.as_ref().map_or((data, info), |(d, i)| (&d[..], i));
+        let piece = copy_shard(data, info, shard, rank, region.get_mut(dst..).unwrap_or_default()).map_err(failed)?;
         if dst + piece > region.len() {
             return Err(RuntimeError::internal(format!("slot `{}`: piece from `{}` overruns the slot", slot.name, info.name)));
         }
@@ -286,20 +290,61 @@ fn transformed(data: &[u8], info: &TensorInfo, transform: Transform) -> Result<(
 
 /// One part of the ModelOpt NVFP4 quantisation of a BF16 `[n, k]` tensor.
 pub fn nvfp4_part(data: &[u8], info: &TensorInfo, part: Nvfp4Part) -> Result<(Vec<u8>, TensorInfo), String> {
+    nvfp4_piece(data, info, part, Shard::Whole, 0)?.ok_or_else(|| "unreachable: the whole tensor is block-aligned".into())
+}
+
+/// Rank `rank`'s `shard` of one part of the NVFP4 quantisation of a BF16 `[n, k]` tensor, as a
+/// tensor of its own, quantising only those rows and columns (under the whole tensor's
+/// `scale_2`): a rank binding GLM-5's MTP experts quantises an eighth of them, not all of them
+/// three times. None where the share's columns are not whole 16-value blocks (the caller
+/// quantises the whole part and splits it).
+fn nvfp4_piece(data: &[u8], info: &TensorInfo, part: Nvfp4Part, shard: Shard, rank: usize) -> Result<Option<(Vec<u8>, TensorInfo)>, String> {
     let (&[n, k], DType::BF16) = (&info.shape[..], info.dtype) else {
         return Err(format!("NVFP4 quantisation of a {:?} {:?} tensor (takes a 2-d BF16 one)", info.dtype, info.shape));
     };
     if k % 16 != 0 {
         return Err(format!("NVFP4 quantisation of [{n}, {k}]: K must be a multiple of 16"));
     }
-    let w: Vec<f32> = data.chunks_exact(2).map(|b| crate::numerics::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
-    let (codes, scales, scale_2) = crate::numerics::quantize_nvfp4(&w, n, k);
+    if data.len() != n * k * 2 {
+        return Err(format!("{} bytes for a BF16 [{n}, {k}] tensor", data.len()));
+    }
+    let scale_2 = crate::numerics::nvfp4_scale_2(crate::numerics::bf16_amax(data));
     let tensor = |dtype, shape| TensorInfo { name: info.name.clone(), dtype, shape };
-    Ok(match part {
-        Nvfp4Part::Codes => (codes, tensor(DType::U8, vec![n, k / 2])),
-        Nvfp4Part::Scales => (scales, tensor(DType::F8E4M3, vec![n, k / 16])),
-        Nvfp4Part::Scale2 => (scale_2.to_le_bytes().to_vec(), tensor(DType::F32, vec![])),
-    })
+    // the share's rows and columns of values
+    let (part_cols, values_per_col) = match part {
+        Nvfp4Part::Scale2 => {
+            return match shard {
+                Shard::Whole => Ok(Some((scale_2.to_le_bytes().to_vec(), tensor(DType::F32, vec![])))),
+                Shard::Split { .. } => Err("a split of the scalar weight_scale_2".into()),
+            };
+        }
+        Nvfp4Part::Codes => (k / 2, 2),
+        Nvfp4Part::Scales => (k / 16, 16),
+    };
+    let (rows, cols) = match shard {
+        Shard::Whole => (0..n, 0..k),
+        Shard::Split { dim, parts } => {
+            let (size, parts) = (if dim == 0 { n } else { part_cols }, parts as usize);
+            if dim > 1 || parts == 0 || size % parts != 0 || rank >= parts {
+                return Err(format!("dim {dim} of size {size} cannot be split in {parts} parts for rank {rank}"));
+            }
+            let share = size / parts;
+            if dim == 0 {
+                (rank * share..(rank + 1) * share, 0..k)
+            } else if (share * values_per_col) % 16 != 0 {
+                return Ok(None);
+            } else {
+                (0..n, rank * share * values_per_col..(rank + 1) * share * values_per_col)
+            }
+        }
+    };
+    let width = cols.len();
+    let w: Vec<f32> = rows.clone().flat_map(|r| data[(r * k + cols.start) * 2..(r * k + cols.end) * 2].chunks_exact(2)).map(|b| crate::numerics::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
+    let (codes, scales) = crate::numerics::quantize_nvfp4_blocks(&w, width, scale_2, part == Nvfp4Part::Codes);
+    Ok(Some(match part {
+        Nvfp4Part::Codes => (codes, tensor(DType::U8, vec![rows.len(), width / 2])),
+        _ => (scales, tensor(DType::F8E4M3, vec![rows.len(), width / 16])),
+    }))
 }
 
 /// Columns `start..start + len` of a row-major 2-d tensor, as a tensor of their own.
@@ -407,5 +452,54 @@ mod tests {
         copy_shard(&c, &ci, Shard::Split { dim: 0, parts: 2 }, 1, &mut dst).unwrap();
         assert_eq!(dst, codes[codes.len() / 2..]);
         assert!(nvfp4_part(&data[..16], &TensorInfo { shape: vec![1, 8], ..info.clone() }, Nvfp4Part::Codes).is_err(), "K of 8");
+    }
+
+    /// A rank quantises only its share of a tensor (rows, or whole 16-value blocks of columns)
+    /// and must get exactly that share of the whole tensor's quantisation, for every part, split
+    /// and rank; a share of columns that cuts blocks falls back to the whole.
+    #[test]
+    fn a_ranks_quantised_share_is_its_share_of_the_whole_quantisation() {
+        let (n, k) = (8, 64);
+        let (mut data, info) = bf16_matrix(n, k);
+        // one block of zeros (scale 1.0) and the tensor's largest magnitude in row 5 only
+        data[2 * (3 * k + 16)..2 * (3 * k + 32)].fill(0);
+        data[2 * (5 * k + 7)..2 * (5 * k + 8)].copy_from_slice(&crate::numerics::f32_to_bf16(-40.0).to_le_bytes());
+        let mut shares = 0;
+        for part in [Nvfp4Part::Codes, Nvfp4Part::Scales] {
+            let (whole, whole_info) = nvfp4_part(&data, &info, part).unwrap();
+            for (dim, parts) in [(0, 2), (0, 4), (1, 2), (1, 4), (1, 8)] {
+                let shard = Shard::Split { dim, parts };
+                if part == Nvfp4Part::Scales && parts == 8 {
+                    assert!(nvfp4_piece(&data, &info, part, shard, 0).is_err(), "4 scale columns in 8 parts");
+                    continue;
+                }
+                for rank in 0..parts as usize {
+                    let mut expected = vec![0u8; whole.len() / parts as usize];
+                    copy_shard(&whole, &whole_info, shard, rank, &mut expected).unwrap();
+                    match nvfp4_piece(&data, &info, part, shard, rank).unwrap() {
+                        Some((got, got_info)) => {
+                            assert_eq!(got, expected, "{part:?} {shard:?} rank {rank}");
+                            assert_eq!(got_info.shape.iter().product::<usize>(), expected.len(), "{part:?} {shard:?}");
+                            shares += 1;
+                        }
+                        // codes split 8 ways along K: 8 values a rank, half a block
+                        None => assert_eq!((part, dim, parts), (Nvfp4Part::Codes, 1, 8)),
+                    }
+                }
+            }
+        }
+        assert_eq!(shares, 2 * 12);
+        assert!(nvfp4_piece(&data, &info, Nvfp4Part::Scale2, Shard::Split { dim: 0, parts: 2 }, 0).is_err());
+        assert!(nvfp4_piece(&data, &info, Nvfp4Part::Codes, Shard::Split { dim: 0, parts: 3 }, 0).is_err(), "8 rows in 3 parts");
+    }
+
+    /// The largest magnitude read off the BF16 bits is the f32 fold's (NaN skipped).
+    #[test]
+    fn bf16_amax_is_the_largest_magnitude() {
+        let values = [1.5f32, -7.25, 3.0, f32::NAN, -0.0, 6.5];
+        let bytes: Vec<u8> = values.iter().flat_map(|&x| crate::numerics::f32_to_bf16(x).to_le_bytes()).collect();
+        assert_eq!(crate::numerics::bf16_amax(&bytes), 7.25);
+        assert_eq!(crate::numerics::bf16_amax(&bytes[..2]), 1.5);
+        assert_eq!(crate::numerics::bf16_amax(&[]), 0.0);
     }
 }

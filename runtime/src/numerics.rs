@@ -19,29 +19,61 @@ pub fn nibble(packed: &[u8], row_bytes: usize, n: usize, k: usize) -> u8 {
 pub fn quantize_nvfp4(w: &[f32], n: usize, k: usize) -> (Vec<u8>, Vec<u8>, f32) {
     assert_eq!(w.len(), n * k);
     assert_eq!(k % 16, 0, "NVFP4 needs k divisible by 16");
-    let amax = w.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let scale_2 = if amax > 0.0 { amax / (6.0 * E4M3_MAX) } else { 1.0 };
-    let mut packed = vec![0u8; n * k / 2];
-    let mut scales = vec![0u8; n * k / 16];
-    for r in 0..n {
-        for b in 0..k / 16 {
-            let block = &w[r * k + b * 16..r * k + b * 16 + 16];
+    let scale_2 = nvfp4_scale_2(w.iter().fold(0f32, |m, v| m.max(v.abs())));
+    let (packed, scales) = quantize_nvfp4_blocks(w, k, scale_2, true);
+    (packed, scales, scale_2)
+}
+
+/// The largest magnitude of little-endian BF16 values, NaNs skipped (as `f32::max` skips them):
+/// the largest of the magnitudes' bit patterns, which order as the values do.
+pub fn bf16_amax(data: &[u8]) -> f32 {
+    let bits = data.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7fff).filter(|&m| m <= 0x7f80).max();
+    bf16_to_f32(bits.unwrap_or(0))
+}
+
+/// ModelOpt's `weight_scale_2` of a tensor whose largest magnitude is `amax`.
+pub fn nvfp4_scale_2(amax: f32) -> f32 {
+    if amax > 0.0 {
+        amax / (6.0 * E4M3_MAX)
+    } else {
+        1.0
+    }
+}
+
+/// The block scales (`[rows, k/16]` E4M3 codes) and, where `codes`, the packed values
+/// (`[rows, k/2]`; else empty) of row-major rows of `k` values under the tensor's `scale_2`.
+/// Each 16-value block depends only on itself and `scale_2`, so any block-aligned piece of a
+/// tensor quantises to the same bits as that piece of the whole (binding quantises a rank's
+/// share only). Rows in parallel.
+pub fn quantize_nvfp4_blocks(w: &[f32], k: usize, scale_2: f32, codes: bool) -> (Vec<u8>, Vec<u8>) {
+    use rayon::prelude::*;
+    assert_eq!(k % 16, 0, "NVFP4 needs k divisible by 16");
+    let rows = w.len() / k.max(1);
+    if rows == 0 {
+        return (Vec::new(), Vec::new());
+    }
+    let mut packed = vec![0u8; if codes { rows * k / 2 } else { 0 }];
+    let mut scales = vec![0u8; rows * k / 16];
+    let quantise_row = |r: usize, scales: &mut [u8], packed: &mut [u8]| {
+        for (b, block) in w[r * k..(r + 1) * k].chunks_exact(16).enumerate() {
             let bmax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
             let sf = if bmax == 0.0 { f32_to_e4m3(1.0) } else { f32_to_e4m3((bmax / (6.0 * scale_2)).max(2f32.powi(-9))) };
-            scales[r * k / 16 + b] = sf;
+            scales[b] = sf;
+            if packed.is_empty() {
+                continue;
+            }
             let denom = e4m3_to_f32(sf) * scale_2;
-            for (j, &x) in block.iter().enumerate() {
-                let code = f32_to_e2m1(x / denom);
-                let idx = r * k / 2 + (b * 16 + j) / 2;
-                if j % 2 == 0 {
-                    packed[idx] |= code;
-                } else {
-                    packed[idx] |= code << 4;
-                }
+            for (j, pair) in block.chunks_exact(2).enumerate() {
+                packed[b * 8 + j] = f32_to_e2m1(pair[0] / denom) | f32_to_e2m1(pair[1] / denom) << 4;
             }
         }
+    };
+    if codes {
+        scales.par_chunks_mut(k / 16).zip(packed.par_chunks_mut(k / 2)).enumerate().for_each(|(r, (s, p))| quantise_row(r, s, p));
+    } else {
+        scales.par_chunks_mut(k / 16).enumerate().for_each(|(r, s)| quantise_row(r, s, &mut []));
     }
-    (packed, scales, scale_2)
+    (packed, scales)
 }
 
 #[cfg(test)]

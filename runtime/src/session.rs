@@ -67,9 +67,6 @@ impl Backend {
     }
 
     fn run(&mut self, index: usize, inputs: &Inputs) -> Result<&[f32], RuntimeError> {
-        if let Some(program) = self.plan().programs.get(index).filter(|p| p.is_draft() && matches!(self, Backend::Cuda(_))) {
-            return Err(RuntimeError::Unsupported { message: format!("`{}` is a draft program; draft programs run on the CPU and emulator backends so far", program.name) });
-        }
         match self {
             Backend::Cpu(b) => b.run(index, inputs),
             Backend::Emu(b) => b.run(index, inputs),
@@ -389,7 +386,7 @@ impl Runner {
     /// from [`Runner::hidden`] after the call that computed `pos`, or the draft's own from its
     /// previous step); the row writes the draft layer's KV at `pos` and returns the draft's
     /// logits for the token at `pos + 2`, `[rows, vocab]`. Rows may be consecutive positions of
-    /// one sequence, as in [`Runner::decode`]. CPU and emulator backends so far.
+    /// one sequence, as in [`Runner::decode`].
     pub fn draft(&mut self, batch: &[DecodeRow<'_>], hidden: &[f32]) -> Result<&[f32], RuntimeError> {
         let h = self.plan().model.hidden_size;
         if hidden.len() != batch.len() * h {
@@ -403,9 +400,9 @@ impl Runner {
 
     /// The final normed hidden state of every token of the last prefill, decode or draft call,
     /// `[tokens, hidden_size]` (a draft call's: the draft's own, after `shared_head.norm`), in
-    /// plans with a draft model on the CPU and emulator backends; None elsewhere.
+    /// plans with a draft model; None elsewhere.
     pub fn hidden(&self) -> Option<&[f32]> {
-        (self.plan().has_draft() && !matches!(self.backend, Backend::Cuda(_))).then_some(&self.hidden[..])
+        self.plan().has_draft().then_some(&self.hidden[..])
     }
 
     /// Appends the first `rows` hidden rows the last replay left (see [`Runner::hidden`]).
@@ -414,7 +411,7 @@ impl Runner {
         let out = match &self.backend {
             Backend::Cpu(b) => b.hidden_out(),
             Backend::Emu(b) => b.hidden_out(),
-            Backend::Cuda(_) => None,
+            Backend::Cuda(b) => b.hidden_out(),
         };
         if let Some(out) = out {
             self.hidden.extend_from_slice(&out[..rows * h]);
@@ -630,6 +627,23 @@ impl Session {
             }
         }
         Ok(&self.runner.out)
+    }
+
+    /// One step of the draft model (see [`Runner::draft`]) for each `(sequence, token)`: the row
+    /// sits at the sequence's last cached position, beside `hidden[i]` (that position's hidden
+    /// state, `[rows, hidden_size]`), `token` being the one that follows it; writes the draft
+    /// layer's KV there and returns the draft's logits `[rows, vocab]`. The sequences' lengths
+    /// do not change.
+    pub fn draft(&mut self, batch: &[(SeqId, u32)], hidden: &[f32]) -> Result<&[f32], RuntimeError> {
+        let mut rows = Vec::with_capacity(batch.len());
+        for &(seq, token) in batch {
+            let s = self.seqs.get(seq.0 as usize).and_then(Option::as_ref).ok_or_else(|| unknown(seq))?;
+            if s.len == 0 {
+                return Err(RuntimeError::input("draft batch", format!("sequence {} has no cached position to draft from", seq.0)));
+            }
+            rows.push(DecodeRow { pages: &s.pages, pos: s.len - 1, token });
+        }
+        self.runner.draft(&rows, hidden)
     }
 
     /// Logits `[ids.len(), vocab]` of a fresh sequence fed `ids`: one (chunked) prefill, or with

@@ -72,8 +72,7 @@ pub struct Args {
     /// layer and weights (the embedding and lm_head are the model's); or mtp-nvfp4, the same with
     /// its BF16 routed and shared experts quantised to NVFP4 when the weights are bound (their
     /// activation scales borrowed from the last decoder layer's experts), which the GPU kernels
-    /// run: GPU targets have no BF16 MoE kernel. Draft programs run on the CPU and emulator
-    /// backends so far.
+    /// run: GPU targets have no BF16 MoE kernel. Every backend runs draft programs.
     #[arg(long, default_value = "none", value_parser = ["none", "mtp", "mtp-nvfp4"])]
     draft: String,
     /// Do not assemble the kernels with ptxas even when it is found.

@@ -33,8 +33,8 @@ pub fn backend_kind(name: &str) -> anyhow::Result<BackendKind> {
 }
 
 /// `--speculative-draft K`: up to K drafts a step from the plan's draft model (0: none), where
-/// the plan has one and the backend runs it.
-pub fn draft_model(max_draft: usize, ngram: usize, plan: &kiln_runtime::plan::Plan, backend: kiln_runtime::session::BackendKind) -> anyhow::Result<Option<usize>> {
+/// the plan has one.
+pub fn draft_model(max_draft: usize, ngram: usize, plan: &kiln_runtime::plan::Plan) -> anyhow::Result<Option<usize>> {
     if max_draft == 0 {
         return Ok(None);
     }
@@ -43,9 +43,6 @@ pub fn draft_model(max_draft: usize, ngram: usize, plan: &kiln_runtime::plan::Pl
     }
     if !plan.has_draft() {
         anyhow::bail!("--speculative-draft: the artifact has no draft model; compile it with --draft mtp from a checkpoint that has the MTP layer");
-    }
-    if backend == kiln_runtime::session::BackendKind::Cuda {
-        anyhow::bail!("--speculative-draft: the draft programs run on the CPU and emulator backends so far (--backend cpu or emu)");
     }
     Ok(Some(max_draft))
 }

@@ -58,7 +58,7 @@ pub struct Args {
     /// checkpoint's MTP layer): up to K draft tokens per request and step, the draft model's
     /// most likely tokens, checked by the model in the same decode step like
     /// --speculative-ngram's (the output is unchanged). The draft layer keeps its own KV cache,
-    /// fed with the model's hidden state at every position. CPU and emulator backends so far.
+    /// fed with the model's hidden state at every position.
     /// 0: off.
     #[arg(long, default_value_t = 0, value_name = "K")]
     pub speculative_draft: usize,
@@ -102,7 +102,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     // The same engine `kiln serve` uses, with one request.
-    let draft_model = super::draft_model(a.speculative_draft, a.speculative_ngram, model.plan(), backend)?;
+    let draft_model = super::draft_model(a.speculative_draft, a.speculative_ngram, model.plan())?;
     let engine = scheduler::start(Box::new(model), scheduler::EngineOptions { max_waiting: 1, speculation: super::speculation(a.speculative_ngram), draft_model, ..Default::default() });
     let (tx, rx) = std::sync::mpsc::channel();
     let request = GenerationRequest { sampling: params, stop_ids: eos, ..GenerationRequest::new(prompt.clone(), a.max_tokens) };

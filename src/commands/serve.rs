@@ -67,7 +67,7 @@ pub struct Args {
     /// checkpoint's MTP layer): up to K draft tokens per request and step, the draft model's
     /// most likely tokens, checked by the model in the same decode step like
     /// --speculative-ngram's (the output is unchanged). The draft layer keeps its own KV cache,
-    /// fed with the model's hidden state at every position. CPU and emulator backends so far.
+    /// fed with the model's hidden state at every position.
     /// 0: off.
     #[arg(long, default_value_t = 0, value_name = "K")]
     speculative_draft: usize,
@@ -106,7 +106,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         max_total_tokens: a.max_total_tokens,
         prefix_cache: !a.disable_prefix_cache,
         speculation: super::speculation(a.speculative_ngram),
-        draft_model: super::draft_model(a.speculative_draft, a.speculative_ngram, &plan, backend)?,
+        draft_model: super::draft_model(a.speculative_draft, a.speculative_ngram, &plan)?,
     };
     if a.max_total_tokens == Some(0) {
         anyhow::bail!("--max-total-tokens must be at least one KV page ({} tokens)", plan.memory.kv.page_size);

@@ -128,16 +128,20 @@ fn replay(session: &mut Session, plan: &Plan, index: usize) -> anyhow::Result<Ve
         ProgramKind::Decode { batch } => {
             let seqs: Vec<_> = (0..batch).map(|_| session.new_sequence()).collect();
             let mut r = Ok(());
-            // A short prompt each (other programs; not recorded), then one decode step.
+            // A short prompt each (other programs; not recorded), then one decode step; for a
+            // draft program one draft step, beside the hidden state the prompt's last token left.
+            let mut hidden = Vec::new();
             for (i, &s) in seqs.iter().enumerate() {
                 if r.is_ok() {
                     let ids: Vec<u32> = (0..3).map(|j| id(i * 3 + j)).collect();
                     r = session.prefill(s, &ids, LogitRows::Last).map(|_| ());
+                    let rows = session.runner().hidden().unwrap_or_default();
+                    hidden.extend_from_slice(&rows[rows.len().saturating_sub(plan.model.hidden_size)..]);
                 }
             }
             if r.is_ok() {
                 let b: Vec<_> = seqs.iter().enumerate().map(|(i, &s)| (s, id(1000 + i))).collect();
-                r = session.decode(&b).map(|_| ());
+                r = if p.is_draft() { session.draft(&b, &hidden) } else { session.decode(&b) }.map(|_| ());
             }
             for s in seqs {
                 session.release(s);
@@ -182,14 +186,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let all = a.program.as_deref() == Some("all") || (a.program.is_none() && a.backend == "cuda");
     let chosen: Vec<usize> = match &a.program {
-        // (a draft model's programs take hidden rows `verify` does not make yet)
-        _ if all => (0..plan.programs.len()).filter(|&i| !plan.programs[i].is_draft()).collect(),
-        Some(name) if plan.programs.iter().any(|p| &p.name == name && p.is_draft()) => bail!("{name} is a draft program; verify runs the model's own programs only so far"),
+        _ if all => (0..plan.programs.len()).collect(),
         Some(name) => vec![plan.programs.iter().position(|p| &p.name == name).with_context(|| {
             format!("no program {name:?}; the plan has {}", plan.programs.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", "))
         })?],
         None => {
-            let mut v: Vec<usize> = (0..plan.programs.len()).filter(|&i| matches!(plan.programs[i].kind, ProgramKind::Decode { .. }) && !plan.programs[i].is_draft()).collect();
+            let mut v: Vec<usize> = (0..plan.programs.len()).filter(|&i| matches!(plan.programs[i].kind, ProgramKind::Decode { .. })).collect();
             if let Some(i) = (0..plan.programs.len()).filter(|&i| matches!(plan.programs[i].kind, ProgramKind::Prefill { .. })).min_by_key(|&i| plan.programs[i].tokens) {
                 v.insert(0, i);
             }

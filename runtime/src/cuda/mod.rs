@@ -24,7 +24,7 @@ pub mod step;
 use crate::bind::{weights_progress, CheckpointFiles};
 use crate::cpu::Inputs;
 use crate::error::RuntimeError;
-use crate::numerics::bytes_floats;
+use crate::numerics::{bytes_floats, float_bytes};
 use crate::plan::{DType, Op, Plan};
 use hardware::gpu_error;
 use rank::RankDevice;
@@ -63,14 +63,15 @@ enum Command {
     P2p { contexts: Arc<Vec<u64>>, regions: Arc<Vec<u64>> },
     Comm(cudarc::nccl::sys::ncclUniqueId),
     Capture,
-    Run { index: usize, inputs: Arc<Vec<(u64, Vec<u8>)>>, read_logits: bool },
+    Run { index: usize, inputs: Arc<Vec<(u64, Vec<u8>)>>, read_outputs: bool },
 }
 
 enum Reply {
     Opened { allocated: u64, free_after: u64, context: u64, p2p_region: Option<u64>, upload: Duration, modules: Duration, bytes: u64, jit: Vec<String> },
     Ready,
     Captured(Duration),
-    Ran(Option<Vec<u8>>),
+    /// Rank 0's logits and hidden rows (empty without `hidden_out`).
+    Ran(Option<(Vec<u8>, Vec<u8>)>),
     Failed(String),
 }
 
@@ -84,6 +85,8 @@ pub struct CudaBackend {
     workers: Vec<Worker>,
     replies: Receiver<(usize, Reply)>,
     logits: Vec<f32>,
+    /// The last replay's `hidden_out` rows (plans with a draft model), rank 0's.
+    hidden: Vec<f32>,
     /// Set by the first failure: the backend cannot run anything after it.
     dead: Option<String>,
     pub report: LoadReport,
@@ -126,7 +129,7 @@ fn worker(rank: usize, plan: Arc<Plan>, sources: Sources, bar: indicatif::Progre
             Command::P2p { contexts, regions } => dev.enable_p2p(&contexts, &regions).map(|()| Reply::Ready),
             Command::Comm(id) => dev.init_comm(id, plan.ranks()).and_then(|()| dev.warm_up_collectives(&plan)).map(|()| Reply::Ready),
             Command::Capture => dev.capture_programs(&plan).map(Reply::Captured),
-            Command::Run { index, inputs, read_logits } => dev.replay(&plan, index, &inputs, read_logits).map(Reply::Ran),
+            Command::Run { index, inputs, read_outputs } => dev.replay(&plan, index, &inputs, read_outputs).map(Reply::Ran),
         };
         match reply {
             Ok(r) => {
@@ -212,7 +215,7 @@ impl CudaBackend {
         }
         drop(reply_tx);
         drop(files);
-        let mut backend = CudaBackend { plan, workers, replies, logits: Vec::new(), dead: None, report: LoadReport::default() };
+        let mut backend = CudaBackend { plan, workers, replies, logits: Vec::new(), hidden: Vec::new(), dead: None, report: LoadReport::default() };
         let mut jit = Vec::new();
         backend.report.memory = vec![(0, 0); ranks];
         let (mut contexts, mut regions) = (vec![0u64; ranks], vec![None; ranks]);
@@ -358,10 +361,13 @@ impl CudaBackend {
         let plan = self.plan.clone();
         let program = plan.programs.get(index).ok_or_else(|| RuntimeError::internal(format!("program {index} of {}", plan.programs.len())))?;
         crate::cpu::check_inputs(&plan, program, inputs)?;
-        let bytes: Vec<(u64, Vec<u8>)> = inputs.by_buffer(program).iter().map(|(_, b, v)| (program.buffer(*b).offset, v.iter().flat_map(|x| x.to_le_bytes()).collect())).collect();
+        let mut bytes: Vec<(u64, Vec<u8>)> = inputs.by_buffer(program).iter().map(|(_, b, v)| (program.buffer(*b).offset, v.iter().flat_map(|x| x.to_le_bytes()).collect())).collect();
+        // a draft program's hidden rows, rounded to the buffer's dtype as the CPU backend does
+        // (through the host: at decode a few rows of hidden_size values)
+        bytes.extend(program.hidden_in.map(|b| (program.buffer(b).offset, float_bytes(&inputs.hidden, program.buffer(b).dtype == DType::BF16))));
         let bytes = Arc::new(bytes);
         for (rank, w) in self.workers.iter().enumerate() {
-            if w.tx.send(Command::Run { index, inputs: bytes.clone(), read_logits: rank == 0 }).is_err() {
+            if w.tx.send(Command::Run { index, inputs: bytes.clone(), read_outputs: rank == 0 }).is_err() {
                 return Err(self.die(format!("the worker of GPU {rank} has stopped")));
             }
         }
@@ -370,9 +376,16 @@ impl CudaBackend {
             Reply::Ran(Some(b)) if rank == 0 => Some(b),
             _ => None,
         });
-        let raw = raw.ok_or_else(|| RuntimeError::internal("rank 0 returned no logits"))?;
-        self.logits = bytes_floats(&raw, program.buffer(program.logits).dtype == DType::BF16);
+        let (logits, hidden) = raw.ok_or_else(|| RuntimeError::internal("rank 0 returned no logits"))?;
+        self.logits = bytes_floats(&logits, program.buffer(program.logits).dtype == DType::BF16);
+        self.hidden = program.hidden_out.map(|b| bytes_floats(&hidden, program.buffer(b).dtype == DType::BF16)).unwrap_or_default();
         Ok(&self.logits)
+    }
+
+    /// The `[tokens, hidden]` rows of the final normed hidden state the last replay left, in
+    /// plans with a draft model ([`crate::plan::Program::hidden_out`]).
+    pub fn hidden_out(&self) -> Option<&[f32]> {
+        (!self.hidden.is_empty()).then_some(&self.hidden[..])
     }
 }
 

@@ -96,9 +96,9 @@ impl RankDevice {
         // SAFETY: `rope` holds the table; synchronous copy from host memory.
         cu(|| "uploading the RoPE table".into(), unsafe { result::memcpy_htod_sync(rope.ptr, &rope_bytes) })?;
         let input_bytes = plan.programs.iter().map(inputs_bytes).max().unwrap_or(0);
-        let logit_bytes = plan.programs.iter().map(|p| p.buffer(p.logits).bytes).max().unwrap_or(0);
+        let readback_bytes = plan.programs.iter().map(readback_bytes).max().unwrap_or(0);
         let inputs_stage = Pinned::new(input_bytes as usize, WRITE_COMBINED)?;
-        let readback = Pinned::new(logit_bytes as usize, 0)?;
+        let readback = Pinned::new(readback_bytes as usize, 0)?;
         let p2p_region = if plan_has_p2p(plan) { Some(DeviceBuffer::zeroed(P2pLayout { ranks: plan.ranks() as u64 }.bytes(), "P2P collective region")?) } else { None };
         let split_k = if plan.uses_split_k() { Some(DeviceBuffer::zeroed(SplitKLayout::BYTES, "split-K region")?) } else { None };
         let allocated = arena.bytes + workspace.bytes + kv.bytes + rope.bytes + p2p_region.as_ref().map_or(0, |r| r.bytes) + split_k.as_ref().map_or(0, |r| r.bytes);
@@ -364,8 +364,9 @@ impl RankDevice {
     }
 
     /// Writes `inputs` (workspace offset, bytes) through pinned memory, replays program
-    /// `index` and, on the rank that reads them, returns the logits' bytes.
-    pub fn replay(&mut self, plan: &Plan, index: usize, inputs: &[(u64, Vec<u8>)], read_logits: bool) -> Result<Option<Vec<u8>>, RuntimeError> {
+    /// `index` and, on the rank that reads them (`read`), returns the logits' bytes and the
+    /// `hidden_out` rows' (empty without them).
+    pub fn replay(&mut self, plan: &Plan, index: usize, inputs: &[(u64, Vec<u8>)], read: bool) -> Result<Option<(Vec<u8>, Vec<u8>)>, RuntimeError> {
         let p = &plan.programs[index];
         let graph = self.graphs.get(index).ok_or_else(|| RuntimeError::internal(format!("program {} has no graph", p.name)))?;
         let stage = self.inputs_stage.as_mut_slice();
@@ -379,15 +380,23 @@ impl RankDevice {
         }
         // SAFETY: a graph of this context.
         cu(|| format!("{}: cuGraphLaunch", p.name), unsafe { result::graph::launch(graph.exec, self.stream.0) })?;
-        let logits = p.buffer(p.logits);
-        let n = logits.bytes as usize;
-        if read_logits {
-            let dst = &mut self.readback.as_mut_slice()[..n];
-            // SAFETY: pinned destination; the logits buffer lies in the workspace.
-            cu(|| format!("{}: reading the logits", p.name), unsafe { result::memcpy_dtoh_async(dst, self.workspace.ptr + logits.offset, self.stream.0) })?;
+        // the logits, then the hidden rows, back to back in the readback buffer
+        let reads: Vec<(u64, usize)> = std::iter::once(p.logits).chain(p.hidden_out).map(|b| (p.buffer(b).offset, p.buffer(b).bytes as usize)).collect();
+        let total: usize = reads.iter().map(|r| r.1).sum();
+        if read {
+            let mut at = 0;
+            for &(offset, n) in &reads {
+                let dst = self.readback.as_mut_slice().get_mut(at..at + n).ok_or_else(|| RuntimeError::internal("the outputs outgrow their readback buffer"))?;
+                // SAFETY: pinned destination; the buffer lies in the workspace.
+                cu(|| format!("{}: reading the outputs", p.name), unsafe { result::memcpy_dtoh_async(dst, self.workspace.ptr + offset, self.stream.0) })?;
+                at += n;
+            }
         }
         self.stream.sync().map_err(|e| gpu_error(format!("{} on GPU {}: {e}", p.name, self.rank)))?;
-        Ok(read_logits.then(|| self.readback.as_slice()[..n].to_vec()))
+        Ok(read.then(|| {
+            let (logits, hidden) = self.readback.as_slice()[..total].split_at(reads[0].1);
+            (logits.to_vec(), hidden.to_vec())
+        }))
     }
 }
 
@@ -459,7 +468,12 @@ impl Stager {
 /// Bytes of a program's input buffers (ids, positions, token rows, slots, page table, logit rows).
 fn inputs_bytes(p: &Program) -> u64 {
     let i = p.inputs;
-    [i.ids, i.positions, i.token_seq, i.slots, i.page_table, i.logit_rows].iter().map(|&b| p.buffer(b).bytes).sum()
+    [i.ids, i.positions, i.token_seq, i.slots, i.page_table, i.logit_rows].into_iter().chain(p.hidden_in).map(|b| p.buffer(b).bytes).sum()
+}
+
+/// What a replay reads back: the logits and, in plans with a draft model, the hidden rows.
+fn readback_bytes(p: &Program) -> u64 {
+    std::iter::once(p.logits).chain(p.hidden_out).map(|b| p.buffer(b).bytes).sum()
 }
 
 /// Loads one kernel into the current context: the artifact's cubin when there is one, else
