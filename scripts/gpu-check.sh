@@ -129,6 +129,11 @@ if [ "$quick" = 0 ]; then
     compile "$g" "$root/tests/goldens/$g/ckpt" "$tp" 128 && models+=("$g") || record "compile-$g" fail
   done
 fi
+# the demo model again with its indexer keys cached as FP8 (--indexer-keys fp8): verify and the
+# logits stage check those cache writes and indexer reads too
+if [ "$double" = 0 ]; then
+  compile demo-fp8 "$work/tiny-ckpt" "$tp" "$context" --indexer-keys fp8 && models+=(demo-fp8) || record compile-demo-fp8 fail
+fi
 record compile ok "{\"models\":\"${models[*]}\",\"tp\":$tp}"
 
 # ---- verify: every program, step by step against the CPU backend -----------------------------
@@ -158,7 +163,7 @@ EOF
 }
 for m in "${models[@]}"; do
   m_ids=$ids
-  [ "$m" = demo ] || m_ids=$(golden_ids "$m")
+  case "$m" in demo*) ;; *) m_ids=$(golden_ids "$m") ;; esac
   for mode in prefill decode; do
     flag=(); [ "$mode" = decode ] && flag=(--decode)
     if run logits 120 "$kiln" logits "$work/$m" --ids "$m_ids" "${flag[@]}" --backend cuda --out "$work/$m-$mode-cuda.st" &&

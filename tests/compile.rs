@@ -259,6 +259,25 @@ fn glm5_skeleton_tp8_matches_independent_weight_count_and_public_kv_capacity() {
         &["does not fit", "more than available", "weights 52."],
     );
     assert!(!root.join("small").join("plan.bin").exists(), "no artifact on failure: {err}");
+
+    // FP8 indexer keys: a row of (512 + 64) BF16 values (1,152 B), 128 codes and a 4-byte scale,
+    // padded to 16 B: 1,296 B a layer; the cache takes what is left in pages of those, and every
+    // cache write and indexer launch reads and writes that row (KEY_FP8, ROW 648 values)
+    let fp8 = root.join("fp8");
+    ok(&["compile", s(&ckpt), "--target", "sm_120a", "--tp", "8", "--no-ptxas", "--indexer-keys", "fp8", "-o", s(&fp8)]);
+    let f = inspect_json(&fp8);
+    let g8 = &f["per_gpu"];
+    assert_eq!(g8["kv_index_keys"], "fp8");
+    let fp8_per_token = 78 * (((512 + 64) * 2 + 128 + 4) as u64).next_multiple_of(16);
+    assert_eq!(g8["kv_bytes_per_token"], fp8_per_token);
+    let left = g8["gpu_memory_bytes"].as_u64().unwrap() - g8["weight_bytes"].as_u64().unwrap() - g8["workspace_bytes"].as_u64().unwrap() - g8["headroom_bytes"].as_u64().unwrap() - g8["rope_table_bytes"].as_u64().unwrap();
+    assert_eq!(g8["kv_token_capacity"].as_u64().unwrap(), left / (64 * fp8_per_token) * 64);
+    assert!(g8["kv_token_capacity"].as_u64().unwrap() > capacity, "FP8 keys hold more tokens than BF16 ones");
+    let keyed: Vec<&str> = f["kernels"].as_array().unwrap().iter().filter_map(|k| k["name"].as_str()).filter(|n| n.starts_with("kv_cache_write") || n.starts_with("indexer_topk")).collect();
+    assert!(!keyed.is_empty());
+    for n in keyed {
+        assert!(n.contains("row648") && (n.ends_with("key_fp81") || n.contains("key_fp81_")), "{n}: not the FP8 row");
+    }
 }
 
 /// The NVFP4 checkpoints compile for the H200 (`--target sm_90a`): the tiny model (TP 1, 2 and 8,

@@ -249,6 +249,35 @@ fn bf16_checkpoint_matches_transformers() {
     }
 }
 
+/// `--indexer-keys fp8`: the indexer scores keys cached as FP8 E4M3 with a power-of-two scale per
+/// token, against transformers' own model of the bf16 case with every key it scores replaced by
+/// torch's float8_e4m3fn rounding of it under that scale (tests/oracle/make_fp8_keys_golden.py;
+/// top-k margins of at least 1e-5 relative, 100x f32's summation noise), at F32_TOL, at TP 1 and
+/// 2, prefill and decode. The FP8 keys select other positions than BF16 ones on this prompt (the
+/// golden is up to 1.04 from the bf16 golden), so the plan with BF16 keys must miss it.
+#[test]
+fn fp8_indexer_keys_match_transformers_with_fp8_keys() {
+    let g = golden("bf16");
+    let file = goldens().join("bf16_fp8_keys/golden.safetensors");
+    let (_, ids) = tensor(&file, "ids");
+    assert_eq!(ids.iter().map(|&v| v as u32).collect::<Vec<_>>(), g.ids, "the fp8-keys golden is the bf16 case's prompt");
+    let (_, want) = tensor(&file, "logits_fp8_keys");
+    for tp in [1, 2] {
+        let art = scratch(&format!("fp8-keys-tp{tp}"));
+        kiln(&["compile", s(&g.ckpt), "--target", "cpu", "--tp", &tp.to_string(), "--indexer-keys", "fp8", "-o", s(&art)]);
+        let (errs, _) = compare(&logits(&art, &art, &g.ids, &["--precision", "f32"]), &want, g.vocab);
+        eprintln!("fp8 keys tp{tp} f32: max {:.2e}, median {:.2e}", max(&errs), median(&errs));
+        assert!(max(&errs) <= F32_TOL, "fp8 keys tp{tp} per-position errors {errs:?}");
+        if tp == 1 {
+            let (errs, _) = compare(&logits(&art, &art, &g.ids, &["--precision", "f32", "--decode"]), &want, g.vocab);
+            assert!(max(&errs) <= F32_TOL, "fp8 keys decode per-position errors {errs:?}");
+        }
+    }
+    let bf16_keys = compile("fp8-keys-against-bf16", &g.ckpt, 1);
+    let (errs, _) = compare(&logits(&bf16_keys, &bf16_keys, &g.ids, &["--precision", "f32"]), &want, g.vocab);
+    assert!(max(&errs) > 100.0 * F32_TOL, "BF16 keys meet the FP8-keys golden too (max {:.2e}): it tests nothing", max(&errs));
+}
+
 /// The crafted NVFP4 edge vectors (exact E2M1 ties, E4M3 scale ties, saturation, zero and
 /// subnormal block scales): kiln's activation quantiser and weight decoding must be bit exact.
 #[test]

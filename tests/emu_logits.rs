@@ -38,12 +38,13 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-fn compile(ckpt: &Path, target: &str, tp: usize, chunk: usize, out: &Path) {
+fn compile(ckpt: &Path, target: &str, tp: usize, chunk: usize, out: &Path, extra: &[&str]) {
     // at TP 2 the prefill's indexer selects across the ranks (the golden prompt's chunks score)
     let sequence_parallel = if tp > 1 { "always" } else { "never" };
     let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args(["compile", ckpt.to_str().unwrap(), "--target", target, "--tp", &tp.to_string(), "--no-ptxas", "--sequence-parallel-indexer", sequence_parallel])
         .args(["--prefill-chunk", &chunk.to_string(), "--decode-batches", "1,2", "--max-context", "64", "-o", out.to_str().unwrap()])
+        .args(extra)
         .output()
         .expect("run kiln");
     assert!(o.status.success(), "kiln compile failed:\n{}", String::from_utf8_lossy(&o.stderr));
@@ -95,10 +96,14 @@ fn argmax(v: &[f32]) -> usize {
 }
 
 fn case(name: &str, target: &str, tp: usize, chunk: usize) {
+    case_with(name, target, tp, chunk, &[]);
+}
+
+fn case_with(name: &str, target: &str, tp: usize, chunk: usize, extra: &[&str]) {
     let (ckpt, ids) = golden_ids(name);
-    let dir = scratch(&format!("{name}-{target}-tp{tp}"));
+    let dir = scratch(&format!("{name}-{target}-tp{tp}{}", extra.concat()));
     let art = dir.join("art");
-    compile(&ckpt, target, tp, chunk, &art);
+    compile(&ckpt, target, tp, chunk, &art, extra);
     let split = ids.len() - 3;
     let start = std::time::Instant::now();
     let emu = run(&art, BackendKind::Emu, &ids, split);
@@ -138,6 +143,13 @@ fn nvfp4_groups_sm90a_tp1_emulator_matches_cpu() {
     case("nvfp4_groups", "sm_90a", 1, 64);
 }
 
+/// `--indexer-keys fp8`: the cache writes store FP8 keys and the indexer scores them, on the
+/// emulator as on the CPU.
+#[test]
+fn fp8_indexer_keys_on_the_emulator_match_the_cpu() {
+    case_with("nvfp4_groups", "sm_120a", 2, 32, &["--indexer-keys", "fp8"]);
+}
+
 fn kiln(args: &[&str]) -> String {
     let o = Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).output().expect("run kiln");
     let err = String::from_utf8_lossy(&o.stderr);
@@ -162,7 +174,7 @@ fn kiln_logits_cli_on_the_emulator_matches_the_cpu() {
     let ids = ids.join(",");
     let dir = scratch("cli");
     let art = dir.join("art");
-    compile(&ckpt, "sm_120a", 1, 32, &art);
+    compile(&ckpt, "sm_120a", 1, 32, &art, &[]);
     let vocab = kiln_runtime::plan::read_plan(&art).unwrap().model.vocab_size;
     for decode in [false, true] {
         let mut rows = Vec::new();
@@ -212,7 +224,7 @@ fn merged_launches_compute_the_unmerged_plans_logits_bit_for_bit() {
     let (ckpt, ids) = golden_ids("nvfp4_groups");
     let dir = scratch("merge");
     let (merged, apart) = (dir.join("merged"), dir.join("apart"));
-    compile(&ckpt, "sm_120a", 2, 32, &merged);
+    compile(&ckpt, "sm_120a", 2, 32, &merged, &[]);
     let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args(["compile", ckpt.to_str().unwrap(), "--target", "sm_120a", "--tp", "2", "--no-ptxas", "--no-merge", "--sequence-parallel-indexer", "always"])
         .args(["--prefill-chunk", "32", "--decode-batches", "1,2", "--max-context", "64", "-o", apart.to_str().unwrap()])

@@ -115,6 +115,7 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, Vec<u8>) {
         max_seqs: c.seqs.len(),
         pages_per_seq,
         max_context,
+        index_keys: Default::default(),
     };
     let layer = 1;
     let mut cache = Cache::new(&kv);

@@ -17,7 +17,8 @@ use kiln_runtime::cpu::reference::{self, Cache, TokenInputs};
 use kiln_runtime::cpu::rope::Rope;
 use kiln_runtime::emu::{launch, GlobalMemory, KernelArg, LaunchStats, Module};
 use kiln_runtime::numerics::{f32_to_bf16, round_bf16};
-use kiln_runtime::plan::{DType, KvLayout};
+use kiln_runtime::numerics::{e4m3_to_f32, quantize_fp8_key};
+use kiln_runtime::plan::{DType, IndexKeys, KvLayout};
 use kiln_runtime::rng::Rng;
 use kiln_runtime::verify::compare_cache;
 
@@ -82,6 +83,7 @@ impl Geo {
             max_seqs: 3,
             pages_per_seq: self.pages_per_seq,
             max_context: self.max_context,
+            index_keys: IndexKeys::Bf16,
         }
     }
 }
@@ -246,6 +248,7 @@ fn run(c: &Case, seed: u64) {
         kw_bf16: kw_bf16 as u32,
         kb_bf16: c.b_bf16 as u32,
         cache_bf16: g.cache_bf16 as u32,
+        key_fp8: 0,
     };
     let module = Module::parse(&params.render().unwrap(), "kv_cache_write.ptx").unwrap();
     let mut m = GlobalMemory::new();
@@ -306,6 +309,115 @@ fn cache_writes_match_the_cpu() {
     }
 }
 
+/// FP8 indexer keys (`--indexer-keys fp8`, `KEY_FP8`): the key goes after the rope key as E4M3
+/// codes and a power-of-two scale (`numerics::quantize_fp8_key` of the BF16-rounded key), in a
+/// row padded to 16 bytes. Against the CPU reference on a layer of random rows in that layout
+/// (which the CPU must hold and give back unchanged): slots not written stay bit-identical, the
+/// rope key is bit-exact, the latent within `verify`'s tolerance, and every key value (code x
+/// scale) within one E4M3 step (a BF16 ulp of the normalised value, summed in another order, may
+/// move a code or the scale); the launch writes exactly the owned bytes.
+#[test]
+fn fp8_key_writes_match_the_cpu() {
+    let glm5 = Geo { latent: 512, rope: 64, index: 128, page_size: 64, pages: 6, pages_per_seq: 2, max_context: 128, cache_bf16: true };
+    for (i, (g, tokens)) in [(Geo::tiny(), 17), (Geo::tiny(), 1), (glm5, 3)].into_iter().enumerate() {
+        run_fp8(g, tokens, 2000 + i as u64);
+    }
+}
+
+fn run_fp8(g: Geo, tokens: usize, seed: u64) {
+    let layout = KvLayout { index_keys: IndexKeys::Fp8, ..g.layout() };
+    let (pitch, at, d) = (layout.slot_bytes() as usize, layout.key_offset_bytes(), g.index);
+    assert_eq!((pitch % 16, at), (0, (g.latent + g.rope) * 2));
+    let slots = g.pages * g.page_size;
+    let mut rng = Rng::new(seed);
+    let batch = Batch::new(&mut rng, tokens, &g);
+    let mut init = vec![0u8; slots * pitch];
+    for row in init.chunks_exact_mut(pitch) {
+        row[..at].copy_from_slice(&bytes(&randn(&mut rng, g.latent + g.rope, 0.0, 3.0, true), true));
+        let key = randn(&mut rng, d, 0.0, 3.0, true);
+        let scale = quantize_fp8_key(&key, &mut row[at..at + d]);
+        row[at + d..at + d + 4].copy_from_slice(&scale.to_le_bytes());
+    }
+    let x = randn(&mut rng, tokens * (g.latent + g.rope), 0.0, 1.5, true);
+    let norm = randn(&mut rng, g.latent, 1.0, 0.3, true);
+    let k = randn(&mut rng, tokens * d, 0.7, 2.0, true);
+    let k_norm = randn(&mut rng, d, 1.0, 0.3, true);
+    let k_bias = randn(&mut rng, d, 0.0, 0.2, true);
+    let rope = Rope::new(g.rope, 10000.0);
+    let mut cache = Cache::new(&layout);
+    cache.set_layer_bytes(LAYER, &init);
+    assert!(cache.layer_bytes(LAYER) == init, "the CPU gives back the FP8 layer it was given");
+    reference::mla_kv_write(&x, true, &norm, EPS, &batch.inputs(), &mut cache, LAYER, &rope);
+    reference::indexer_key_write(&k, &k_norm, &k_bias, K_EPS, &batch.inputs(), &mut cache, LAYER, &rope);
+    let want = cache.layer_bytes(LAYER);
+
+    let (grid, threads) = launch_shape(tokens);
+    let params = KvCacheWriteParams {
+        arch: 120,
+        tokens: tokens as u32,
+        latent: g.latent as u32,
+        rope: g.rope as u32,
+        d: d as u32,
+        row: layout.row_elems() as u32,
+        slots: slots as u32,
+        max_pos: g.max_context as u32,
+        threads,
+        x_bf16: 1,
+        w_bf16: 1,
+        k_bf16: 1,
+        kw_bf16: 1,
+        kb_bf16: 1,
+        cache_bf16: 1,
+        key_fp8: 1,
+    };
+    let module = Module::parse(&params.render().unwrap(), "kv_cache_write.ptx").unwrap();
+    let mut m = GlobalMemory::new();
+    let bufs = [
+        m.alloc_bytes("kv", &bytes(&x, true)),
+        m.alloc_bytes("norm", &bytes(&norm, true)),
+        m.alloc_bytes("k", &bytes(&k, true)),
+        m.alloc_bytes("k_norm", &bytes(&k_norm, true)),
+        m.alloc_bytes("k_bias", &bytes(&k_bias, true)),
+        m.alloc_bytes("positions", &i32_bytes(&batch.positions)),
+        m.alloc_bytes("token_seq", &i32_bytes(&batch.token_seq)),
+        m.alloc_bytes("slots", &i32_bytes(&batch.slots)),
+        m.alloc_bytes("cache", &init),
+        m.alloc_f32("rope", &rope.table(g.max_context)),
+    ];
+    let mut args: Vec<KernelArg> = bufs.iter().map(|&b| KernelArg::U64(m.addr(b))).collect();
+    args.push(KernelArg::F32(EPS));
+    args.push(KernelArg::F32(K_EPS));
+    let stats = launch(&module, KvCacheWriteParams::ENTRY, [grid, 1, 1], [threads, 1, 1], params.dynamic_smem().unwrap(), &args, &mut m).unwrap();
+    let got = m.read(bufs[8]);
+    let written = batch.written();
+    let what = format!("fp8 kv_cache_write T={tokens} latent={} rope={} d={d}", g.latent, g.rope);
+    let key_values = |r: &[u8]| -> Vec<f32> {
+        let scale = f32::from_le_bytes(r[at + d..at + d + 4].try_into().unwrap());
+        r[at..at + d].iter().map(|&c| e4m3_to_f32(c) * scale).collect()
+    };
+    let mut exact = 0;
+    for s in 0..slots {
+        let (gr, wr) = (&got[s * pitch..(s + 1) * pitch], &want[s * pitch..(s + 1) * pitch]);
+        if !written.contains(&s) {
+            assert!(gr == wr, "{what}: slot {s}, which no token writes, changed");
+            continue;
+        }
+        let c = compare_cache(DType::BF16, 1, &gr[..g.latent * 2], &wr[..g.latent * 2]);
+        assert!(c.ok(), "{what}: slot {s}'s latent beyond tolerance (max rel {:e})", c.max_rel);
+        assert!(gr[g.latent * 2..at] == wr[g.latent * 2..at], "{what}: slot {s}'s rope key differs in bits");
+        assert!(gr[at + d + 4..] == wr[at + d + 4..], "{what}: slot {s}'s padding was written");
+        let (gv, wv) = (key_values(gr), key_values(wr));
+        let amax = wv.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (i, (a, b)) in gv.iter().zip(&wv).enumerate() {
+            assert!((a - b).abs() <= b.abs() / 8.0 + amax / 512.0, "{what}: slot {s} key value {i}: {a} against the CPU's {b}");
+        }
+        exact += usize::from(gr[at..at + d + 4] == wr[at..at + d + 4]);
+    }
+    eprintln!("{what}: {exact} of {} written keys (codes and scale) bit for bit", written.len());
+    assert!(2 * exact >= written.len(), "{what}: only {exact} of {} keys bit for bit", written.len());
+    assert_eq!(stats.global_bytes_written() as usize, written.len() * (at + d + 4), "{what}: writes exactly the owned bytes");
+}
+
 /// (registers, static smem) of one rendered instance, after checking the budgets.
 fn assemble(ptxas: &std::path::Path, name: &str, ptx: &str, dynamic_smem: u32) -> (u32, u32) {
     let r = common::assemble_within_budget(ptxas, name, ptx, dynamic_smem);
@@ -328,7 +440,13 @@ fn cache_writes_assemble_at_tiny_and_glm5_shapes() {
     for (name, tokens, latent, rope, index, slots, max_pos, x_bf16) in shapes {
         let (_, threads) = launch_shape(tokens as usize);
         let row = latent + rope + index;
-        let p = KvCacheWriteParams { arch: 120, tokens, latent, rope, d: index, row, slots, max_pos, threads, x_bf16, w_bf16: 1, k_bf16: x_bf16, kw_bf16: 1, kb_bf16: 1, cache_bf16: 1 };
+        let p = KvCacheWriteParams { arch: 120, tokens, latent, rope, d: index, row, slots, max_pos, threads, x_bf16, w_bf16: 1, k_bf16: x_bf16, kw_bf16: 1, kb_bf16: 1, cache_bf16: 1, key_fp8: 0 };
+        assemble(&ptxas, &format!("kv_cache_write_{name}"), &p.render().unwrap(), p.dynamic_smem().unwrap());
+    }
+    // GLM-5's FP8 keys: a row of 1,152 B of BF16, 128 codes and the scale, padded to 1,296 B
+    for (name, tokens, arch) in [("glm5_fp8_prefill", 8192u32, 120), ("glm5_fp8_decode1", 1, 120), ("glm5_fp8_decode1_sm90", 1, 90)] {
+        let (_, threads) = launch_shape(tokens as usize);
+        let p = KvCacheWriteParams { arch, tokens, latent: 512, rope: 64, d: 128, row: 648, slots: 800_000, max_pos: 202_752, threads, x_bf16: 1, w_bf16: 1, k_bf16: 1, kw_bf16: 1, kb_bf16: 1, cache_bf16: 1, key_fp8: 1 };
         assemble(&ptxas, &format!("kv_cache_write_{name}"), &p.render().unwrap(), p.dynamic_smem().unwrap());
     }
     let _ = std::fs::remove_dir_all(std::env::temp_dir().join(format!("kiln-kcache-{}", std::process::id())));

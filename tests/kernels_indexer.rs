@@ -17,8 +17,8 @@ use kiln_compiler::passes::lower::{fast_positions, select_chunk, SELECT_THREADS,
 use kiln_runtime::cpu::reference::{self, Cache, TokenInputs};
 use kiln_runtime::cpu::rope::Rope;
 use kiln_runtime::emu::{launch, BufferId, GlobalMemory, KernelArg, LaunchStats, Module};
-use kiln_runtime::numerics::{f32_to_bf16, round_bf16};
-use kiln_runtime::plan::{DType, KvLayout};
+use kiln_runtime::numerics::{f32_to_bf16, quantize_fp8_key, round_bf16};
+use kiln_runtime::plan::{DType, IndexKeys, KvLayout};
 use kiln_runtime::rng::Rng;
 use std::process::Command;
 
@@ -52,6 +52,7 @@ fn params(heads: usize, dim: usize, rope: usize, page: usize, pps: usize, topk: 
         chunk: 0,
         tt: 1,
         stride: 1,
+        key_fp8: 0,
     }
 }
 
@@ -87,6 +88,11 @@ fn bf16_bytes(v: &[f32]) -> Vec<u8> {
 /// stats, the indexer-key bytes the scored tokens must read at least, how many rows a
 /// chunked selection took in chunks and how many pairs of tokens a block per two scored together.
 fn run(c: &Case, seed: u64) -> (LaunchStats, u64, usize, usize) {
+    run_keys(c, seed, IndexKeys::Bf16)
+}
+
+/// [`run`] with the keys cached as `keys` says (FP8: the case's BF16 keys quantised per token).
+fn run_keys(c: &Case, seed: u64, keys: IndexKeys) -> (LaunchStats, u64, usize, usize) {
     let mut rng = Rng::new(seed);
     let pps = c.table[0].len();
     let n_tok = c.tokens.len();
@@ -103,8 +109,10 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, u64, usize, usize) {
         max_seqs: c.table.len(),
         pages_per_seq: pps,
         max_context,
+        index_keys: keys,
     };
-    let row = layout.row_elems();
+    // the case's keys are made in the BF16 layout's rows
+    let row = LATENT + c.rope + c.dim;
     let slot_of = |seq: usize, j: usize| c.table[seq][j / c.page] as usize * c.page + j % c.page;
     // Every slot random (latent and rope key too, so a wrong offset shows), keys BF16.
     let mut kv: Vec<f32> = (0..c.pages * c.page * row).map(|_| round_bf16(rng.normal() as f32)).collect();
@@ -134,7 +142,21 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, u64, usize, usize) {
             }
         }
     }
-    let kv_bytes = bf16_bytes(&kv);
+    let kv_bytes = match keys {
+        IndexKeys::Bf16 => bf16_bytes(&kv),
+        // each row's latent and rope key as BF16, then the key's codes and scale, padded
+        IndexKeys::Fp8 => {
+            let pitch = layout.slot_bytes() as usize;
+            let mut bytes = vec![0u8; c.pages * c.page * pitch];
+            for (r, out) in kv.chunks_exact(row).zip(bytes.chunks_exact_mut(pitch)) {
+                let at = (LATENT + c.rope) * 2;
+                out[..at].copy_from_slice(&bf16_bytes(&r[..LATENT + c.rope]));
+                let scale = quantize_fp8_key(&r[LATENT + c.rope..], &mut out[at..at + c.dim]);
+                out[at + c.dim..at + c.dim + 4].copy_from_slice(&scale.to_le_bytes());
+            }
+            bytes
+        }
+    };
     let mut cache = Cache::new(&layout);
     cache.set_layer_bytes(0, &kv_bytes);
 
@@ -162,7 +184,7 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, u64, usize, usize) {
     let mut want = vec![0i32; n_tok * c.topk];
     reference::indexer_topk(&q, &w, c.heads, &inputs, &cache, 0, &rope, c.topk, &mut want);
 
-    let p = params(c.heads, c.dim, c.rope, c.page, pps, c.topk, c.q_bf16, c.w_bf16);
+    let p = IndexerTopkParams { row: layout.row_elems() as u32, key_fp8: u32::from(keys == IndexKeys::Fp8), ..params(c.heads, c.dim, c.rope, c.page, pps, c.topk, c.q_bf16, c.w_bf16) };
     let smem = p.dynamic_smem().unwrap();
     assert!(smem as usize + 1040 <= SMEM_LIMIT as usize);
     let module = Module::parse(&p.render().unwrap(), "indexer_topk.ptx").unwrap();
@@ -271,12 +293,14 @@ fn run(c: &Case, seed: u64) -> (LaunchStats, u64, usize, usize) {
         })
         .count();
     assert!(c.ties.is_empty() || tie_rows > 0, "no row selected two tied positions: the tie case tests nothing");
-    let scored: u64 = c.tokens.iter().filter(|t| t.0 >= 0 && t.1 as usize + 1 > c.topk).map(|t| (t.1 as u64 + 1) * c.dim as u64 * 2).sum();
+    let key_bytes = if keys == IndexKeys::Fp8 { c.dim as u64 + 4 } else { c.dim as u64 * 2 };
+    let scored: u64 = c.tokens.iter().filter(|t| t.0 >= 0 && t.1 as usize + 1 > c.topk).map(|t| (t.1 as u64 + 1) * key_bytes).sum();
     eprintln!(
-        "indexer top-{} heads={} dim={} tokens={n_tok}: identical ({} selections, {tie_rows} rows with ties, {} B read, {scored} B of keys scored, {:.2?})",
+        "indexer top-{} heads={} dim={} {} keys tokens={n_tok}: identical ({} selections, {tie_rows} rows with ties, {} B read, {scored} B of keys scored, {:.2?})",
         c.topk,
         c.heads,
         c.dim,
+        keys.name(),
         want.iter().filter(|&&v| v >= 0).count(),
         stats.global_bytes_read(),
         stats.elapsed
@@ -325,7 +349,8 @@ fn pairs_match_single_tokens(c: &Case, p: &IndexerTopkParams, single: &Module, a
             if j / c.page < pps {
                 saved += 4;
                 if c.table[s0 as usize][j / c.page] >= 0 {
-                    saved += 2 * c.dim as u64;
+                    // the key's BF16 values, or its FP8 codes and scale
+                    saved += if p.key_fp8 == 1 { c.dim as u64 + 4 } else { 2 * c.dim as u64 };
                 }
             }
         }
@@ -575,6 +600,30 @@ fn decode_reads_each_key_about_once() {
     assert!((1.0..=1.25).contains(&ratio), "byte ratio {ratio}");
 }
 
+/// FP8 keys (`--indexer-keys fp8`, `KEY_FP8`): the kernel reads each key's E4M3 codes and
+/// scale from after the rope key and scores code x scale (exact), as the CPU scores the keys it
+/// holds: the same lists bit for bit on the tiny model's ragged batch (ties, padding, an all-zero
+/// q, chunked selection, pairs and strided rows), on candidates compacted about every tile, and
+/// on near ties decided by rounding; decode reads a key's codes and scale (36 B) about once.
+#[test]
+fn fp8_keys_select_as_the_cpu() {
+    let (page, pps) = (16, 64);
+    let mut rng = Rng::new(41);
+    let table = shuffled_tables(&mut rng, 3, pps, 3 * pps);
+    let tokens = vec![(0, 4), (0, 16), (0, 299), (-1, 7), (1, 1023), (1, 100), (2, 40), (0, 63), (1, 64), (2, 256), (0, 200), (0, 201)];
+    let ties = vec![(3, vec![5, 17, 18, 40, 63, 64, 150, 151, 298])];
+    let c = Case { heads: 8, dim: 32, rope: 16, page, pages: 3 * pps, topk: 16, table: table.clone(), tokens, q_bf16: true, w_bf16: false, ties, zero_q: vec![2], near_ties: false };
+    run_keys(&c, 42, IndexKeys::Fp8);
+    let c = Case { heads: 2, dim: 16, rope: 8, page, pages: 3 * pps, topk: 40, table: table.clone(), tokens: vec![(0, 999), (1, 650), (0, 39), (1, 40)], q_bf16: true, w_bf16: false, ties: vec![], zero_q: vec![], near_ties: false };
+    run_keys(&c, 43, IndexKeys::Fp8);
+    let near = Case { heads: 8, dim: 32, rope: 8, page, pages: 3 * pps, topk: 16, table: table.clone(), tokens: vec![(0, 511), (0, 300), (0, 143)], q_bf16: false, w_bf16: false, ties: vec![], zero_q: vec![], near_ties: true };
+    run_keys(&near, 44, IndexKeys::Fp8);
+    let decode = Case { heads: 8, dim: 32, rope: 16, page, pages: 3 * pps, topk: 16, table, tokens: vec![(0, 999)], q_bf16: true, w_bf16: false, ties: vec![], zero_q: vec![], near_ties: false };
+    let (stats, keys, _, _) = run_keys(&decode, 45, IndexKeys::Fp8);
+    let ratio = stats.global_bytes_read() as f64 / keys as f64;
+    assert!((1.0..=1.25).contains(&ratio), "decode over FP8 keys: {} B read for {keys} B of codes and scales ({ratio:.3})", stats.global_bytes_read());
+}
+
 /// (registers, spill bytes, static smem) of one rendered instance.
 fn ptxas_resources(ptxas: &std::path::Path, name: &str, ptx: &str) -> (u32, u32, u32) {
     let r = common::assemble(ptxas, name, ptx).unwrap_or_else(|e| panic!("{e}"));
@@ -600,7 +649,7 @@ fn tiny_and_glm5_instances_assemble_for_sm_120a() {
         IndexerTopkParams { mode: 2, threads: SELECT_THREADS, cap: capacity(p.p2 as usize, SELECT_THREADS).max(fast as usize / 2) as u32, fast, chunk, ..p }
     };
     assert!(select(glm5(true)).chunk > 0, "GLM-5's decode selects its longest contexts in chunks");
-    for (name, p) in [("tiny", params(8, 32, 16, 64, 16, 16, true, false)), ("tiny_f32", params(8, 32, 16, 64, 16, 16, false, true)), ("glm5_tp8", glm5(true)), ("glm5_tp8_f32q", glm5(false)), ("glm5_tp8_select", select(glm5(true))), ("glm5_tp8_select_sm90", IndexerTopkParams { arch: 90, ..select(glm5(true)) }), ("tiny_pairs", IndexerTopkParams { tt: 2, ..params(8, 32, 16, 64, 16, 16, true, false) }), ("glm5_tp8_pairs", IndexerTopkParams { tt: 2, ..glm5(true) }), ("glm5_tp8_pairs_sm90", IndexerTopkParams { arch: 90, tt: 2, ..glm5(true) }), ("glm5_tp8_sequence_parallel", IndexerTopkParams { tt: 2, stride: 8, ..glm5(true) }), ("glm5_tp8_sequence_parallel_sm90", IndexerTopkParams { arch: 90, tt: 2, stride: 8, ..glm5(true) })] {
+    for (name, p) in [("tiny", params(8, 32, 16, 64, 16, 16, true, false)), ("tiny_f32", params(8, 32, 16, 64, 16, 16, false, true)), ("glm5_tp8", glm5(true)), ("glm5_tp8_f32q", glm5(false)), ("glm5_tp8_select", select(glm5(true))), ("glm5_tp8_select_sm90", IndexerTopkParams { arch: 90, ..select(glm5(true)) }), ("tiny_pairs", IndexerTopkParams { tt: 2, ..params(8, 32, 16, 64, 16, 16, true, false) }), ("glm5_tp8_pairs", IndexerTopkParams { tt: 2, ..glm5(true) }), ("glm5_tp8_pairs_sm90", IndexerTopkParams { arch: 90, tt: 2, ..glm5(true) }), ("glm5_tp8_sequence_parallel", IndexerTopkParams { tt: 2, stride: 8, ..glm5(true) }), ("glm5_tp8_sequence_parallel_sm90", IndexerTopkParams { arch: 90, tt: 2, stride: 8, ..glm5(true) }), ("glm5_tp8_fp8_keys", IndexerTopkParams { key_fp8: 1, row: 648, ..glm5(true) }), ("glm5_tp8_fp8_keys_pairs", IndexerTopkParams { key_fp8: 1, row: 648, tt: 2, ..glm5(true) }), ("glm5_tp8_fp8_keys_sm90", IndexerTopkParams { arch: 90, key_fp8: 1, row: 648, ..glm5(true) })] {
         let (regs, spills, smem_static) = ptxas_resources(&ptxas, name, &p.render().unwrap());
         let dynamic = p.dynamic_smem().unwrap();
         eprintln!("indexer_topk {name}: {regs} registers, {spills} B spills, {smem_static} B static + {dynamic} B dynamic shared memory");

@@ -199,21 +199,32 @@ fn counters(g: &GlobalMemory, r: &StepRegions<BufferId>, inputs: &[BufId]) -> By
     b
 }
 
-fn micro_plan(dir: &Path) -> (PathBuf, PathBuf) {
+fn micro_plan(dir: &Path, index_keys: &str) -> (PathBuf, PathBuf) {
     let ckpt = dir.join("ckpt");
     let art = dir.join("art");
     kiln(&["synth", "micro", "-o", s(&ckpt)]);
     kiln(&[
         "compile", s(&ckpt), "--target", "sm_120a", "--tp", "2", "--no-ptxas", "--prefill-chunk", "128", "--decode-batches", "1,4", "--max-context", "512",
-        "--sequence-parallel-indexer", "always", "-o", s(&art),
+        "--sequence-parallel-indexer", "always", "--indexer-keys", index_keys, "-o", s(&art),
     ]);
     (ckpt, art)
 }
 
 #[test]
 fn the_model_counts_every_launchs_bytes_as_the_emulator_does() {
-    let dir = scratch("bytes");
-    let (ckpt, art) = micro_plan(&dir);
+    model_counts_as_the_emulator("bytes", "bf16");
+}
+
+/// The same with the indexer keys cached as FP8 codes and scales (the cache writes' and the
+/// indexer's key bytes).
+#[test]
+fn the_model_counts_fp8_indexer_keys_as_the_emulator_does() {
+    model_counts_as_the_emulator("bytes-fp8", "fp8");
+}
+
+fn model_counts_as_the_emulator(name: &str, index_keys: &str) {
+    let dir = scratch(name);
+    let (ckpt, art) = micro_plan(&dir, index_keys);
     let mut session = Session::open(&art, Some(&ckpt), SessionOptions::default()).expect("open the micro plan");
     let plan = session.plan().clone();
     let vocab = plan.model.vocab_size as u64;

@@ -57,6 +57,8 @@ pub struct CompileOptions {
     /// The draft model compiled beside the model for speculative decoding (`Draft::Mtp`: the
     /// checkpoint's MTP layer, as `draft_{batch}` programs).
     pub draft: Draft,
+    /// How the KV cache holds the indexer keys (`IndexKeys::Fp8`: E4M3 with a scale per token).
+    pub index_keys: kiln_runtime::plan::IndexKeys,
 }
 
 impl Default for CompileOptions {
@@ -76,6 +78,7 @@ impl Default for CompileOptions {
             assemble: true,
             merge_launches: true,
             draft: Draft::None,
+            index_keys: kiln_runtime::plan::IndexKeys::Bf16,
         }
     }
 }
@@ -171,7 +174,7 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
     let workspace = programs.iter_mut().map(memory::plan_workspace).max().unwrap_or(0);
     let headroom = opts.headroom.unwrap_or_else(|| targets::default_headroom(&target));
     let layers = cfg.num_hidden_layers + usize::from(draft);
-    let kv = memory::KvRequest { page_size: memory::KV_PAGE_SIZE, max_seqs: *batches.last().expect("non-empty"), max_context, layers };
+    let kv = memory::KvRequest { page_size: memory::KV_PAGE_SIZE, max_seqs: *batches.last().expect("non-empty"), max_context, layers, index_keys: opts.index_keys };
     let mem = memory::plan_memory(&cfg, &target, headroom, weights, workspace, &kv)?;
     verify::memory(&slots, &programs, &mem)?;
 

@@ -24,6 +24,33 @@ pub fn quantize_nvfp4(w: &[f32], n: usize, k: usize) -> (Vec<u8>, Vec<u8>, f32) 
     (packed, scales, scale_2)
 }
 
+/// The scale of an FP8 (E4M3) indexer key: the smallest power of two `s` with `amax / s <= 448`
+/// (DeepSeek's `act_quant(.., scale_fmt="ue8m0")`), read off the bits of `amax / 448` as the
+/// kernel divides it in f32: its exponent, one up unless it is a power of two. At least the
+/// smallest normal f32 (a subnormal ratio); 1 for a key of zeros (or a non-finite one).
+pub fn fp8_key_scale(amax: f32) -> f32 {
+    if !(amax > 0.0 && amax.is_finite()) {
+        return 1.0;
+    }
+    let bits = (amax / E4M3_MAX).to_bits();
+    let exponent = bits & 0x7f80_0000;
+    if exponent == 0 {
+        return f32::MIN_POSITIVE;
+    }
+    f32::from_bits(exponent + if bits & 0x007f_ffff != 0 { 0x0080_0000 } else { 0 })
+}
+
+/// An indexer key as the FP8 cache holds it: E4M3 codes of `key / s` (round to nearest even,
+/// saturating; the division by a power of two is exact) and the scale `s`
+/// ([`fp8_key_scale`] of the key's largest magnitude). A code's value times `s` is exact in f32.
+pub fn quantize_fp8_key(key: &[f32], codes: &mut [u8]) -> f32 {
+    let scale = fp8_key_scale(key.iter().fold(0f32, |m, v| m.max(v.abs())));
+    for (c, &v) in codes.iter_mut().zip(key) {
+        *c = f32_to_e4m3(v / scale);
+    }
+    scale
+}
+
 /// The largest magnitude of little-endian BF16 values, NaNs skipped (as `f32::max` skips them):
 /// the largest of the magnitudes' bit patterns, which order as the values do.
 pub fn bf16_amax(data: &[u8]) -> f32 {
@@ -79,6 +106,30 @@ pub fn quantize_nvfp4_blocks(w: &[f32], k: usize, scale_2: f32, codes: bool) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The FP8 key scale is the smallest power of two taking the largest magnitude to at most
+    /// 448, and the codes are E4M3 of the scaled values (values by hand).
+    #[test]
+    fn fp8_keys_scale_by_the_smallest_power_of_two() {
+        assert_eq!(fp8_key_scale(448.0), 1.0, "exactly 448: no headroom needed");
+        assert_eq!(fp8_key_scale(449.0), 2.0);
+        assert_eq!(fp8_key_scale(3.5), 2f32.powi(-7), "3.5 / 2^-7 = 448");
+        assert_eq!(fp8_key_scale(3.6), 2f32.powi(-6));
+        assert_eq!(fp8_key_scale(0.0), 1.0);
+        assert_eq!(fp8_key_scale(f32::NAN), 1.0);
+        assert_eq!(fp8_key_scale(1e-42), f32::MIN_POSITIVE, "a subnormal ratio");
+        let key = [3.0f32, -1.25, 0.1, 0.0];
+        let mut codes = [0u8; 4];
+        let s = quantize_fp8_key(&key, &mut codes);
+        assert_eq!(s, 2f32.powi(-7));
+        // 3 * 128 = 384 (exact), -1.25 * 128 = -160 (exact), 0.1 * 128 = 12.8 -> 13 (spacing 1 in [8, 16))
+        let values: Vec<f32> = codes.iter().map(|&c| e4m3_to_f32(c) * s).collect();
+        assert_eq!(values, [3.0, -1.25, 13.0 / 128.0, 0.0]);
+        // 12.5 * 2^-7 lies halfway between 12 and 13 (scaled): ties to the even code, 12
+        let mut c = [0u8; 2];
+        quantize_fp8_key(&[3.0, 12.5 / 128.0], &mut c);
+        assert_eq!(e4m3_to_f32(c[1]), 12.0);
+    }
 
     #[test]
     fn bf16_rounds_to_nearest_even() {

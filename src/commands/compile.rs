@@ -75,6 +75,14 @@ pub struct Args {
     /// run: GPU targets have no BF16 MoE kernel. Every backend runs draft programs.
     #[arg(long, default_value = "none", value_parser = ["none", "mtp", "mtp-nvfp4"])]
     draft: String,
+    /// How the KV cache holds the DSA indexer's keys: bf16, in each token's cache row as
+    /// transformers keeps them; or fp8, E4M3 with one power-of-two scale per token (132 B a key
+    /// instead of 256 at 128 dims), as DeepSeek's reference, SGLang and vLLM cache them (their
+    /// queries are FP8 too, kiln's stay f32). Every backend, the CPU reference included, then
+    /// scores the FP8 keys, so the selection may differ from transformers' near ties; decode at
+    /// long contexts reads half the key bytes and the cache holds more tokens.
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "fp8"])]
+    indexer_keys: String,
     /// Do not assemble the kernels with ptxas even when it is found.
     #[arg(long)]
     no_ptxas: bool,
@@ -140,6 +148,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "mtp-nvfp4" => Draft::MtpNvfp4,
             _ => Draft::None,
         },
+        index_keys: if a.indexer_keys == "fp8" { kiln_runtime::plan::IndexKeys::Fp8 } else { kiln_runtime::plan::IndexKeys::Bf16 },
     };
     let compiled = compile(&a.checkpoint, &opts)?;
     for w in &compiled.warnings {

@@ -159,10 +159,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         &mut out,
         "KV cache",
         g.kv_bytes,
-        format!(
-            "{} pages x {} tokens = {} tokens; {} B/token ({} layers x (latent {} + rope {} + indexer {}) x {})",
-            g.kv_pages, g.kv_page_size, g.kv_token_capacity, g.kv_bytes_per_token, kv.layers, kv.latent_dim, kv.rope_dim, kv.index_dim, kv.dtype
-        ),
+        match kv.index_keys {
+            kiln_runtime::plan::IndexKeys::Bf16 => format!(
+                "{} pages x {} tokens = {} tokens; {} B/token ({} layers x (latent {} + rope {} + indexer {}) x {})",
+                g.kv_pages, g.kv_page_size, g.kv_token_capacity, g.kv_bytes_per_token, kv.layers, kv.latent_dim, kv.rope_dim, kv.index_dim, kv.dtype
+            ),
+            kiln_runtime::plan::IndexKeys::Fp8 => format!(
+                "{} pages x {} tokens = {} tokens; {} B/token ({} layers x {} B: (latent {} + rope {}) x {} + indexer {} FP8 + scale, padded to 16 B)",
+                g.kv_pages, g.kv_page_size, g.kv_token_capacity, g.kv_bytes_per_token, kv.layers, kv.slot_bytes(), kv.latent_dim, kv.rope_dim, kv.dtype, kv.index_dim
+            ),
+        },
     );
     row(&mut out, "RoPE table", g.rope_table_bytes, format!("(cos, sin) F32 for {} positions x {} pairs", kv.max_context, kv.rope_dim / 2));
     row(&mut out, "headroom", g.headroom_bytes, "CUDA context, NCCL, module images, slack".into());

@@ -3,7 +3,7 @@
 //! headroom. If the model does not fit, the compile fails here, not at CUDA-graph capture.
 
 use crate::error::{human_bytes, CompileError};
-use kiln_runtime::plan::{DType, KvLayout, MemoryPlan, ModelConfig, Program, Target, WeightSlot};
+use kiln_runtime::plan::{DType, IndexKeys, KvLayout, MemoryPlan, ModelConfig, Program, Target, WeightSlot};
 
 /// Every arena offset is aligned to this many bytes (enough for 128-bit vector loads and TMA).
 pub const ALIGN: u64 = 256;
@@ -102,6 +102,7 @@ pub struct KvRequest {
     /// Cache layers: the model's, and a draft model's layer after them (its own KV and indexer
     /// keys, in the same pages).
     pub layers: usize,
+    pub index_keys: IndexKeys,
 }
 
 /// Per-rank budget: weights + workspace + KV + headroom <= GPU memory. The KV cache takes what is
@@ -115,7 +116,21 @@ pub fn plan_memory(
     req: &KvRequest,
 ) -> Result<MemoryPlan, CompileError> {
     let dtype = DType::BF16;
-    let per_token = (req.layers * cfg.kv_values_per_token_layer() * dtype.size()) as u64;
+    let mut kv = KvLayout {
+        dtype,
+        layers: req.layers,
+        latent_dim: cfg.kv_lora_rank,
+        rope_dim: cfg.qk_rope_head_dim,
+        index_dim: cfg.index_head_dim,
+        page_size: req.page_size,
+        pages: 0,
+        bytes_per_token: 0,
+        max_seqs: req.max_seqs,
+        pages_per_seq: 0,
+        max_context: req.max_context,
+        index_keys: req.index_keys,
+    };
+    let per_token = req.layers as u64 * kv.slot_bytes();
     let page_bytes = per_token * req.page_size as u64;
     let pages_per_seq = req.max_context.div_ceil(req.page_size);
     let min_pages = pages_per_seq as u64;
@@ -144,18 +159,11 @@ pub fn plan_memory(
         headroom,
         weights,
         workspace,
-        kv: KvLayout {
-            dtype,
-            layers: req.layers,
-            latent_dim: cfg.kv_lora_rank,
-            rope_dim: cfg.qk_rope_head_dim,
-            index_dim: cfg.index_head_dim,
-            page_size: req.page_size,
-            pages,
-            bytes_per_token: per_token,
-            max_seqs: req.max_seqs,
-            pages_per_seq,
-            max_context: req.max_context,
+        kv: {
+            kv.pages = pages;
+            kv.bytes_per_token = per_token;
+            kv.pages_per_seq = pages_per_seq;
+            kv
         },
     })
 }

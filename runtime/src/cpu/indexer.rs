@@ -8,18 +8,20 @@ use super::{scratch, Tokens};
 use rayon::prelude::*;
 
 /// Stores `RoPE(LayerNorm(k))` (RoPE on the first rope-dim values) of every token that has a
-/// cache slot.
+/// cache slot, as the cache holds keys (rounded to its dtype; FP8 with [`IndexKeys::Fp8`]).
+///
+/// [`IndexKeys::Fp8`]: crate::plan::IndexKeys::Fp8
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn key_write(k: &[f32], norm: &[f32], bias: &[f32], eps: f32, tokens: &Tokens, cache: &mut KvCache, layer: usize, rope: &Rope) {
     let d = cache.index_dim;
-    let round = cache.round;
-    for t in 0..tokens.count() {
-        let Some(slot) = tokens.slot(t) else { continue };
-        let dst = cache.index_mut(layer, slot);
-        layer_norm_row(&k[t * d..(t + 1) * d], norm, bias, eps, dst);
-        rope.apply(&mut dst[..rope.dim()], tokens.positions[t]);
-        dst.iter_mut().for_each(|v| *v = round.apply(*v));
-    }
+    scratch::with_f32(d, |key| {
+        for t in 0..tokens.count() {
+            let Some(slot) = tokens.slot(t) else { continue };
+            layer_norm_row(&k[t * d..(t + 1) * d], norm, bias, eps, key);
+            rope.apply(&mut key[..rope.dim()], tokens.positions[t]);
+            cache.store_index(layer, slot, key);
+        }
+    });
 }
 
 /// For each token: score every cached position `j <= pos` of its sequence with
@@ -105,6 +107,7 @@ mod tests {
             max_seqs: 1,
             pages_per_seq: 2,
             max_context: 8,
+            index_keys: Default::default(),
         };
         let mut cache = KvCache::new(&kv, Round::NONE);
         cache.reserve(8).unwrap();

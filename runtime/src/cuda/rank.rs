@@ -96,7 +96,9 @@ impl RankDevice {
         // SAFETY: `rope` holds the table; synchronous copy from host memory.
         cu(|| "uploading the RoPE table".into(), unsafe { result::memcpy_htod_sync(rope.ptr, &rope_bytes) })?;
         let input_bytes = plan.programs.iter().map(inputs_bytes).max().unwrap_or(0);
-        let readback_bytes = plan.programs.iter().map(readback_bytes).max().unwrap_or(0);
+        // only rank 0 reads its outputs back (a draft plan's prefill hidden rows: 100 MB for
+        // GLM-5's 8,192-token chunk, pinned once, not on every GPU's worker)
+        let readback_bytes = if rank == 0 { plan.programs.iter().map(readback_bytes).max().unwrap_or(0) } else { 0 };
         let inputs_stage = Pinned::new(input_bytes as usize, WRITE_COMBINED)?;
         let readback = Pinned::new(readback_bytes as usize, 0)?;
         let p2p_region = if plan_has_p2p(plan) { Some(DeviceBuffer::zeroed(P2pLayout { ranks: plan.ranks() as u64 }.bytes(), "P2P collective region")?) } else { None };

@@ -313,7 +313,9 @@ fn kernel_cost(plan: &Plan, l: &Launch, load: &Load) -> Result<Cost, String> {
             c.read(Class::Weights, latent * p.size("W_BF16")?, active);
             c.read(Class::Activations, active * d * p.size("K_BF16")?, 1.0);
             c.read(Class::Weights, d * (p.size("KW_BF16")? + p.size("KB_BF16")?), active);
-            c.write(active * (latent + rope + d) * p.size("CACHE_BF16")?);
+            // the key in the cache dtype, or as FP8 codes and their scale
+            let key = if p.v("KEY_FP8")? == 1.0 { d + 4.0 } else { d * p.size("CACHE_BF16")? };
+            c.write(active * ((latent + rope) * p.size("CACHE_BF16")? + key));
         }
         "indexer_topk" => indexer_topk(&p, l, load, &mut c)?,
         "mla_attention" => mla_attention(&p, l, load, &mut c)?,
@@ -413,7 +415,8 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
     c.read(Class::Activations, staging * heads * p.size("W_BF16")?, 1.0);
     // per position: its page-table entry and its key
     c.read(Class::Aux, pages * 4.0, if pages > 0.0 { keys / pages } else { 0.0 });
-    c.read(Class::Kv, keys * dim * 2.0, 1.0);
+    // BF16 values, or FP8 codes and their scale
+    c.read(Class::Kv, keys * if p.v("KEY_FP8")? == 1.0 { dim + 4.0 } else { dim * 2.0 }, 1.0);
     c.flops.fp32 += 2.0 * scored * heads * dim;
     Ok(())
 }

@@ -6,7 +6,9 @@ use serde::{Deserialize, Serialize};
 ///
 /// GPU byte layout (what kernels address through `LaunchArg::KvCache { layer }`): layer-major,
 /// each layer `[capacity_tokens, row_elems]` in `dtype`, a slot's row being
-/// `[latent (latent_dim) | rope key (rope_dim) | indexer key (index_dim)]`. Slot `s` is
+/// `[latent (latent_dim) | rope key (rope_dim) | indexer key (index_dim)]`; with
+/// [`IndexKeys::Fp8`] the key is `index_dim` E4M3 codes and an f32 scale after the rope key,
+/// the row padded to 16 bytes (`row_elems` counts it in `dtype` values). Slot `s` is
 /// `page * page_size + offset`, as the page table says.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KvLayout {
@@ -25,6 +27,29 @@ pub struct KvLayout {
     pub pages_per_seq: usize,
     /// The longest sequence the plan serves (`--max-context`), in tokens.
     pub max_context: usize,
+    pub index_keys: IndexKeys,
+}
+
+/// How the cache holds the DSA indexer's keys (`kiln compile --indexer-keys`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum IndexKeys {
+    /// In each slot's row, in the cache dtype (transformers keeps them so).
+    #[default]
+    Bf16,
+    /// FP8 E4M3 with one power-of-two scale per token ([`crate::numerics::quantize_fp8_key`]),
+    /// as DeepSeek's reference, SGLang and vLLM cache them (their queries are FP8 too; kiln's stay
+    /// in f32): in the row after the rope key, `index_dim` codes then the f32 scale, the row
+    /// padded to 16 bytes. GLM-5's row: 1,296 B instead of 1,408.
+    Fp8,
+}
+
+impl IndexKeys {
+    pub fn name(self) -> &'static str {
+        match self {
+            IndexKeys::Bf16 => "bf16",
+            IndexKeys::Fp8 => "fp8",
+        }
+    }
 }
 
 impl KvLayout {
@@ -36,14 +61,27 @@ impl KvLayout {
         self.capacity_tokens() * self.bytes_per_token
     }
 
-    /// Values in one slot's row of one layer.
+    /// A slot's row in `dtype` values (with FP8 keys: its bytes, padded, over the value size).
     pub fn row_elems(&self) -> usize {
-        self.latent_dim + self.rope_dim + self.index_dim
+        match self.index_keys {
+            IndexKeys::Bf16 => self.latent_dim + self.rope_dim + self.index_dim,
+            IndexKeys::Fp8 => (self.key_offset_bytes() + self.index_dim + 4).next_multiple_of(16) / self.dtype.size(),
+        }
+    }
+
+    /// Byte offset of the indexer key in a row (after the latent and the rope key).
+    pub fn key_offset_bytes(&self) -> usize {
+        (self.latent_dim + self.rope_dim) * self.dtype.size()
+    }
+
+    /// Bytes one slot takes in one layer.
+    pub fn slot_bytes(&self) -> u64 {
+        (self.row_elems() * self.dtype.size()) as u64
     }
 
     /// Bytes of one layer's cache (the distance between two `KvCache` layer addresses).
     pub fn layer_bytes(&self) -> u64 {
-        self.capacity_tokens() * (self.row_elems() * self.dtype.size()) as u64
+        self.capacity_tokens() * self.slot_bytes()
     }
 
     /// The RoPE table kernels read through `LaunchArg::RopeTable`: for every position below

@@ -17,7 +17,7 @@ pub use dtype::DType;
 pub use files::{check_artifact_files, read_artifact, sha256_hex, FILES_KEY};
 pub use io::{decode_plan, read_plan, write_plan, PlanError, PLAN_FILE, RECOMPILE};
 pub use kernel::{PtxArch, KernelId, KernelInfo, KernelPart, Launch, LaunchArg, Resources};
-pub use memory::{KvLayout, MemoryPlan, P2pLayout, SplitKLayout, P2P_MAX_BYTES};
+pub use memory::{IndexKeys, KvLayout, MemoryPlan, P2pLayout, SplitKLayout, P2P_MAX_BYTES};
 pub use op::{AttentionForm, Epilogue, GatherPair, GroupMember, GroupNorm, LinearPart, LinearWeights, Op, ResidualNorm, RouterParams};
 pub use program::{attention_splits_cap, BufId, Buffer, Dim, KernelFamily, Program, ProgramInputs, ProgramKind, Step};
 pub use target::{Arch, Target};
@@ -29,7 +29,7 @@ pub use weights::{
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever the serialized layout of [`Plan`] changes; the runtime refuses other versions.
-pub const FORMAT_VERSION: u32 = 18;
+pub const FORMAT_VERSION: u32 = 19;
 
 /// A compiled model for one target: the unit the runtime loads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

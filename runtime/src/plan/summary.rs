@@ -45,6 +45,8 @@ pub struct PerGpu {
     pub workspace_bytes: u64,
     pub kv_bytes: u64,
     pub kv_bytes_per_token: u64,
+    /// How the cache holds the indexer keys: `bf16` or `fp8`.
+    pub kv_index_keys: String,
     pub kv_page_size: usize,
     pub kv_pages: usize,
     pub kv_token_capacity: u64,
@@ -95,6 +97,7 @@ pub fn summarize(plan: &Plan) -> Summary {
             workspace_bytes: m.workspace,
             kv_bytes: m.kv.bytes(),
             kv_bytes_per_token: m.kv.bytes_per_token,
+            kv_index_keys: m.kv.index_keys.name().into(),
             kv_page_size: m.kv.page_size,
             kv_pages: m.kv.pages,
             kv_token_capacity: m.kv.capacity_tokens(),

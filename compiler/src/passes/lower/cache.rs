@@ -6,7 +6,7 @@
 
 use super::{float_flag, numel, of_grid, width, Cx, Instance, THREADS};
 use crate::kernels::{KvCacheWriteArgs, KvCacheWriteParams, Ptr};
-use kiln_runtime::plan::{DType, Op};
+use kiln_runtime::plan::{DType, IndexKeys, Op};
 
 /// Values per row a lane may hold in registers: 32 lanes x 2 x this many pairs.
 const MAX_PAIRS_PER_LANE: usize = 16;
@@ -39,6 +39,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     if too_wide(latent) || too_wide(rope) || too_wide(index) || rope > index {
         return Err(format!("a cache row of {latent} | {rope} | {index} values is outside one warp's registers"));
     }
+    let fp8 = kv.index_keys == IndexKeys::Fp8;
     // Two warps per token (MLA part, indexer key); full blocks even at batch 1 (the idle warps
     // exit), so that its launch may merge with a GEMM's (`passes/merge.rs`: equal blocks).
     let threads = THREADS;
@@ -60,6 +61,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         kw_bf16: weight(k_norm, "the indexer key's norm weight")?,
         kb_bf16: weight(k_bias, "the indexer key's norm bias")?,
         cache_bf16: float_flag(kv.dtype, "the KV cache")?,
+        key_fp8: u32::from(fp8),
     };
     let args = KvCacheWriteArgs {
         kv: Ptr::Buffer(x),

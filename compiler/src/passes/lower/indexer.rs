@@ -16,7 +16,7 @@
 
 use super::{float_flag, fits, numel, of, of_grid, width, Cx, Instance, THREADS};
 use crate::kernels::{IndexerTopkArgs, IndexerTopkParams, Ptr};
-use kiln_runtime::plan::{DType, Op, ProgramKind, SplitKLayout};
+use kiln_runtime::plan::{DType, IndexKeys, Op, ProgramKind, SplitKLayout};
 
 /// Static shared memory of the template (radix histogram + 8 counters).
 const STATIC_SMEM: usize = 256 * 4 + 32;
@@ -104,10 +104,12 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     if heads > THREADS as usize {
         return Err(format!("{heads} indexer heads exceed the {THREADS} threads that load the head weights"));
     }
-    // 16-byte key loads: the key's offset, the row pitch and the key length are multiples of 8 values.
+    // 16-byte key loads: the key's offset, the row pitch and the key length are multiples of 8
+    // values (BF16), or 16 codes (FP8; the scale after them)
     let (row, koff) = (kv.row_elems(), kv.latent_dim + kv.rope_dim);
-    if dim % 8 != 0 || row % 8 != 0 || koff % 8 != 0 || kv.rope_dim % 2 != 0 || kv.rope_dim > dim {
-        return Err(format!("indexer key dim {dim} (row {row}, offset {koff}, rope {}) is outside the template", kv.rope_dim));
+    let fp8 = kv.index_keys == IndexKeys::Fp8;
+    if dim % if fp8 { 16 } else { 8 } != 0 || row % 8 != 0 || koff % 8 != 0 || kv.rope_dim % 2 != 0 || kv.rope_dim > dim {
+        return Err(format!("indexer key dim {dim} (row {row}, offset {koff}, rope {}, {} keys) is outside the template", kv.rope_dim, kv.index_keys.name()));
     }
     let p2 = topk.next_power_of_two();
     let cap = candidate_capacity(p2, THREADS);
@@ -125,6 +127,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
         rope: kv.rope_dim as u32,
         row: row as u32,
         koff: koff as u32,
+        key_fp8: u32::from(fp8),
         page: kv.page_size as u32,
         pps: kv.pages_per_seq as u32,
         topk: topk as u32,
