@@ -201,7 +201,7 @@ mod tests {
     #[test]
     fn pairs_take_prefill_chunks_whose_pairs_fill_the_sms_and_fit() {
         // GLM-5 tp8's fused instance (32 heads x 128, top-2048: 49,280 B a token) on sm_120a
-        let p = IndexerTopkParams { arch: 120, heads: 32, dim: 128, rope: 64, row: 704, koff: 576, page: 64, pps: 3168, topk: 2048, p2: 2048, cap: 4096, threads: 256, q_bf16: 1, w_bf16: 0, mode: 0, fast: 0, chunk: 0, tt: 1, stride: 1 };
+        let p = IndexerTopkParams { arch: 120, heads: 32, dim: 128, rope: 64, row: 704, koff: 576, page: 64, pps: 3168, topk: 2048, p2: 2048, cap: 4096, threads: 256, q_bf16: 1, w_bf16: 0, mode: 0, fast: 0, chunk: 0, tt: 1, stride: 1, key_fp8: 0 };
         let pair = |tokens, prefill, limit| indexer_pairs(p, tokens, prefill, 188, limit).unwrap().map(|q| q.tt);
         assert_eq!(pair(512, true, 101_376), Some(2));
         assert_eq!(pair(376, true, 101_376), Some(2));
