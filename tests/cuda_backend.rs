@@ -115,6 +115,22 @@ fn cuda_equals_the_emulator_bit_for_bit_at_tp1_and_tp2_prefill_and_decode() {
     }
 }
 
+/// `--indexer-keys fp8` on the CUDA backend: the cache it allocates holds the FP8 layout's rows
+/// (codes and scales after the rope key), and a prefill past `index_topk` then a decode step score
+/// those keys: the emulator's logits bit for bit at TP 2.
+#[test]
+fn fp8_indexer_keys_on_cuda_equal_the_emulator() {
+    let dir = scratch("fp8-keys");
+    let art = dir.join("art");
+    let ids: String = (0..24).map(|i| ((i * 37 + 5) % 384).to_string()).collect::<Vec<_>>().join(",");
+    compile(&golden_ckpt(), 2, &["--prefill-chunk", "32", "--decode-batches", "1,2", "--max-context", "64", "--indexer-keys", "fp8"], &art);
+    for decode in [false, true] {
+        let (cuda, _) = logits(&art, "cuda", &ids, decode, &dir.join(format!("cuda{decode}.safetensors")));
+        let (emu, _) = logits(&art, "emu", &ids, decode, &dir.join(format!("emu{decode}.safetensors")));
+        assert_same(&format!("FP8 keys, {}", if decode { "decode" } else { "prefill" }), &cuda, &emu);
+    }
+}
+
 /// Small all-reduces and all-gathers take the one-shot P2P kernel only where every GPU pair
 /// passes the peer write-and-verify probe: with `KILN_P2P=off`, or on a fabric that grants peer
 /// access but drops the writes (`KILN_DOUBLE_P2P=drop`), or without peer capability, they stay on
