@@ -427,21 +427,24 @@ done
 # without and with prompt-lookup drafts (--speculative-ngram 3). Its zero weights make every
 # token the same, so the drafts are always right and each step yields up to 4 tokens: the two
 # speeds give the measured time of a speculative step over a 1-row step's, beside the model's
-# prediction (which also decides how many drafts run). The slice is compiled with its MTP layer
-# as a draft model (--draft mtp-nvfp4), so a third run drafts with it (--speculative-draft 3;
-# right every time on zero weights too): the measured step with its draft steps beside the
-# model's. Every run must write the same text.
+# prediction (which also decides how many drafts run). A third run drafts with the slice's MTP
+# layer (a plan of its own, compiled with --draft mtp-nvfp4, so that the first two bind no draft
+# weights; --speculative-draft 3, right every time on zero weights too): the measured step with
+# its draft steps beside the model's. Every run must write the same text.
 if [ "$double" = 0 ] && [ "$quick" = 0 ] && [ -d "$work/g5-ckpt" ] && [ -n "${prompt:-}" ]; then
   if [ "$(time_left)" -lt 90 ]; then
     record glm5-speculative skipped '{"why":"out of time"}'
   elif run glm5-speculative 120 "$kiln" compile "$work/g5-ckpt" --target "$arch" --tp 1 --decode-batches 1,2,4 \
-         --prefill-chunk 512 --max-context 8192 --draft mtp-nvfp4 -o "$work/g5-spec" &&
+         --prefill-chunk 512 --max-context 8192 -o "$work/g5-spec" &&
        run_to glm5-speculative 30 "$work/g5-spec-perf.json" "$kiln" inspect "$work/g5-spec" --perf --json &&
        run_to glm5-spec-plain 120 "$work/spec-plain.txt" "$kiln" run "$work/g5-spec" --backend cuda --prompt "$prompt" --max-tokens 128 &&
        run_to glm5-spec-drafts 120 "$work/spec-drafts.txt" "$kiln" run "$work/g5-spec" --backend cuda --prompt "$prompt" --max-tokens 128 --speculative-ngram 3; then
     # the MTP run is reported, not required: the first two already measure the decode step
-    run_to glm5-spec-mtp 120 "$work/spec-mtp.txt" "$kiln" run "$work/g5-spec" --backend cuda --prompt "$prompt" --max-tokens 128 --speculative-draft 3 || true
-    fig=$("$python" scripts/gpu_check_speculative.py "$work/g5-spec-perf.json" "$out/glm5-spec-plain.log" "$out/glm5-spec-drafts.log" "$work/spec-plain.txt" "$work/spec-drafts.txt" "$out/glm5-spec-mtp.log" "$work/spec-mtp.txt")
+    run glm5-spec-mtp 120 "$kiln" compile "$work/g5-ckpt" --target "$arch" --tp 1 --decode-batches 1,2,4 \
+        --prefill-chunk 512 --max-context 8192 --draft mtp-nvfp4 -o "$work/g5-mtp" &&
+      run_to glm5-spec-mtp 30 "$work/g5-mtp-perf.json" "$kiln" inspect "$work/g5-mtp" --perf --json &&
+      run_to glm5-spec-mtp 150 "$work/spec-mtp.txt" "$kiln" run "$work/g5-mtp" --backend cuda --prompt "$prompt" --max-tokens 128 --speculative-draft 3 || true
+    fig=$("$python" scripts/gpu_check_speculative.py "$work/g5-spec-perf.json" "$out/glm5-spec-plain.log" "$out/glm5-spec-drafts.log" "$work/spec-plain.txt" "$work/spec-drafts.txt" "$out/glm5-spec-mtp.log" "$work/spec-mtp.txt" "$work/g5-mtp-perf.json")
     st=ok; case "$fig" in *'"same_text": true'*) ;; *) st=fail; fig=${fig:-"{}"} ;; esac
     case "$fig" in *'"mtp_same_text": false'*) st=fail ;; esac
     record glm5-speculative "$st" "$fig"

@@ -3,7 +3,7 @@ and with prompt-lookup drafts (128 tokens, the first from the prefill), optional
 from its MTP layer, and the performance model's prediction for the same plan. Prints one JSON
 object.
 
-usage: gpu_check_speculative.py PERF_JSON PLAIN_LOG DRAFTS_LOG PLAIN_TEXT DRAFTS_TEXT [MTP_LOG MTP_TEXT]
+usage: gpu_check_speculative.py PERF_JSON PLAIN_LOG DRAFTS_LOG PLAIN_TEXT DRAFTS_TEXT [MTP_LOG MTP_TEXT MTP_PERF_JSON]
 """
 import json
 import re
@@ -27,7 +27,7 @@ def draft_counts(log):
     return (int(counts.group(1)), int(counts.group(2))) if counts else (None, None)
 
 
-def main(perf_json, plain_log, drafts_log, plain_text, drafts_text, mtp_log=None, mtp_text=None):
+def main(perf_json, plain_log, drafts_log, plain_text, drafts_text, mtp_log=None, mtp_text=None, mtp_perf_json=None):
     perf = json.loads(read(perf_json) or "{}").get("perf", {})
     plain, spec = speed(read(plain_log)), speed(read(drafts_log))
     checked, accepted = draft_counts(read(drafts_log))
@@ -64,7 +64,9 @@ def main(perf_json, plain_log, drafts_log, plain_text, drafts_text, mtp_log=None
             # a step's mean time with its draft steps, in ms, and over a 1-row step's
             figures["measured_mtp_step_ms"] = 127 / mtp / steps * 1e3
             figures["measured_mtp_step_over_1_row"] = (127 / mtp / steps) / (1 / plain)
-        spec_rows = [r for r in perf.get("speculative", []) if r.get("batch") == 1 and r.get("context") == 2048 and r.get("drafts") == 3]
+        # the MTP plan's own prediction (its decode programs also keep their hidden rows)
+        mtp_perf = json.loads(read(mtp_perf_json) or "{}").get("perf", {}) if mtp_perf_json else perf
+        spec_rows = [r for r in mtp_perf.get("speculative", []) if r.get("batch") == 1 and r.get("context") == 2048 and r.get("drafts") == 3]
         if spec_rows and 1 in rows:
             r = spec_rows[0]
             figures["predicted_mtp_step_ms"] = r["step_ms_p2p"] + r.get("draft_ms_p2p", 0.0)
@@ -73,4 +75,4 @@ def main(perf_json, plain_log, drafts_log, plain_text, drafts_text, mtp_log=None
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:8])
+    main(*sys.argv[1:9])
