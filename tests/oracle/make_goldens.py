@@ -770,6 +770,19 @@ def compute_case(case: Case, seed: int) -> dict:
             "weights": weights}
 
 
+def stored_bf16_case(out: str) -> tuple[Case, dict, dict]:
+    """The bf16 case recomputed at its seed, checked against what tests/goldens/bf16 holds (the same
+    prompt and checkpoint bytes), for the scripts that build on it: (case, compute_case's data, the
+    stored golden tensors)."""
+    case = CASES["bf16"]
+    data = compute_case(case, case.seed)
+    stored = load_file(os.path.join(out, "bf16", "golden.safetensors"))
+    assert torch.equal(stored["ids"].long(), data["ids"]), "the bf16 case's prompt changed"
+    ckpt = load_file(os.path.join(out, "bf16", "ckpt", "model.safetensors"))
+    assert all(torch.equal(v, ckpt[k]) for k, v in data["tensors"].items()), "the bf16 case's weights changed: remake it first"
+    return case, data, stored
+
+
 def margins_ok(result: dict) -> bool:
     return all(m["min_rel_gap"] >= MIN_REL_GAP for v in result["margins"].values() for m in v.values())
 
