@@ -40,6 +40,14 @@ pub fn fp8_key_scale(amax: f32) -> f32 {
     f32::from_bits(exponent + if bits & 0x007f_ffff != 0 { 0x0080_0000 } else { 0 })
 }
 
+/// The key [`quantize_fp8_key`] makes, in place: each value becomes its code's value times the
+/// scale (what the FP8 cache holds and the indexer scores); returns the scale.
+pub fn round_fp8_key(key: &mut [f32]) -> f32 {
+    let scale = fp8_key_scale(key.iter().fold(0f32, |m, v| m.max(v.abs())));
+    key.iter_mut().for_each(|v| *v = e4m3_to_f32(f32_to_e4m3(*v / scale)) * scale);
+    scale
+}
+
 /// An indexer key as the FP8 cache holds it: E4M3 codes of `key / s` (round to nearest even,
 /// saturating; the division by a power of two is exact) and the scale `s`
 /// ([`fp8_key_scale`] of the key's largest magnitude). A code's value times `s` is exact in f32.

@@ -267,7 +267,7 @@ pub fn compare_cache_write(program: &Program, op: &Op, kv: &KvLayout, emu: &[u8]
     let split = |bytes: &[u8]| -> (Vec<f32>, Vec<f32>) {
         let (mut a, mut b) = (Vec::new(), Vec::new());
         for row in bytes.chunks(kv.slot_bytes().max(1) as usize) {
-            let at = (kv.key_offset_bytes()).min(row.len());
+            let at = kv.key_offset_bytes().min(row.len());
             let Values::F32(v) = decode(kv.dtype, if fp8 { &row[..at] } else { row }) else { return (Vec::new(), Vec::new()) };
             a.extend_from_slice(&v[..mla.min(v.len())]);
             if !fp8 {

@@ -106,10 +106,7 @@ impl KvCache {
         let round = self.round;
         key.iter_mut().for_each(|v| *v = round.apply(*v));
         if self.index_keys == IndexKeys::Fp8 {
-            // quantize_fp8_key's codes, held as their values times the scale
-            let scale = crate::numerics::fp8_key_scale(key.iter().fold(0f32, |m, v| m.max(v.abs())));
-            key.iter_mut().for_each(|v| *v = crate::numerics::e4m3_to_f32(crate::numerics::f32_to_e4m3(*v / scale)) * scale);
-            self.index_scale[layer][slot] = scale;
+            self.index_scale[layer][slot] = crate::numerics::round_fp8_key(key);
         }
         self.index_mut(layer, slot).copy_from_slice(key);
     }
@@ -158,8 +155,8 @@ impl KvCache {
         let pitch = row * dtype.size();
         let slots = bytes.len() / pitch.max(1);
         self.reserve(slots)?;
+        let fp8 = self.index_keys == IndexKeys::Fp8;
         for (s, r) in bytes.chunks_exact(pitch.max(1)).enumerate() {
-            let fp8 = self.index_keys == IndexKeys::Fp8;
             let vals = bytes_floats(&r[..if fp8 { b * dtype.size() } else { pitch }], dtype == DType::BF16);
             self.latent_mut(layer, s).copy_from_slice(&vals[..a]);
             self.rope_mut(layer, s).copy_from_slice(&vals[a..b]);
