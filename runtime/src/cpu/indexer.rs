@@ -1,7 +1,6 @@
 //! DSA lightning indexer: cache write of the indexer key and top-k selection of past positions.
 
 use super::kv_cache::{slot_of, KvCache};
-use super::linear::dot;
 use super::norm::layer_norm_row;
 use super::rope::Rope;
 use super::{scratch, Tokens};
@@ -26,8 +25,8 @@ pub(crate) fn key_write(k: &[f32], norm: &[f32], bias: &[f32], eps: f32, tokens:
 
 /// For each token: score every cached position `j <= pos` of its sequence with
 /// `sum_h (w[h] / sqrt(H)) * relu(q_h . k_j) / sqrt(D)` (q_h with RoPE on its first rope-dim
-/// values) and write the `min(topk, pos + 1)` best positions (ties: lower position first) in
-/// ascending order, padded with -1. When every position fits, all are selected without scoring.
+/// values; each dot product by [`fused_dot`]) and write the `min(topk, pos + 1)` best positions
+/// (ties: lower position first) in ascending order, padded with -1. When every position fits, all are selected without scoring.
 /// Row j of `out` is token `j * stride + first`'s (a sequence-parallel indexer's rank `first` of
 /// `stride`; 0 of 1 selects for every token).
 #[allow(clippy::too_many_arguments)]
@@ -57,7 +56,7 @@ pub(crate) fn top_k(q: &[f32], w: &[f32], heads: usize, tokens: &Tokens, cache: 
                     let kj = cache.index(layer, slot);
                     let mut s = 0f32;
                     for (qh, &wh) in qr.chunks_exact(d).zip(wt) {
-                        s += (wh * head_scale) * (dot(qh, kj).max(0.0) * dim_scale);
+                        s += (wh * head_scale) * (fused_dot(qh, kj).max(0.0) * dim_scale);
                     }
                     scores[m] = (s, j as u32);
                     m += 1;
@@ -86,11 +85,70 @@ pub(crate) fn top_k(q: &[f32], w: &[f32], heads: usize, tokens: &Tokens, cache: 
     }
 }
 
+/// The indexer's dot product: eight partial sums (element i into sum i mod 8), each a chain of
+/// fused multiply-adds (one rounding per element, as the GPU's `fma.rn.f32`), combined as
+/// `((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7))`, then any elements past a multiple of 8
+/// fused in turn (the GPU's key dims are a multiple of 8). Fused because the scoring is the one
+/// FP32-bound kernel of a long context: a separate multiply and add take two issue slots per
+/// element where a fused one takes one, and the GPU's selection must stay bit-identical to this.
+pub(crate) fn fused_dot(a: &[f32], b: &[f32]) -> f32 {
+    // x86-64's baseline has no FMA instruction, so `mul_add` there is a software routine (13x
+    // slower on a 128-dim dot); the same function compiled with the instruction, where the CPU
+    // has it, gives the same bits (both are IEEE fused multiply-adds)
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has just been found to support FMA
+        return unsafe { fused_dot_with_fma(a, b) };
+    }
+    fused_dot_portable(a, b)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn fused_dot_with_fma(a: &[f32], b: &[f32]) -> f32 {
+    fused_dot_portable(a, b)
+}
+
+#[inline(always)]
+fn fused_dot_portable(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0f32; 8];
+    let (mut ca, mut cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for i in 0..8 {
+            acc[i] = x[i].mul_add(y[i], acc[i]);
+        }
+    }
+    let s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    ca.remainder().iter().zip(cb.remainder()).fold(s, |s, (x, y)| x.mul_add(*y, s))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cpu::Round;
     use crate::plan::{DType, KvLayout};
+
+    /// Each element's product and its partial sum rounded once: (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24
+    /// added to -(1 + 2^-11) leaves 2^-24, where rounding the product first (to 1 + 2^-11, a tie
+    /// to even) would leave 0. Elements 0 and 8 share partial sum 0; the rest are zero.
+    #[test]
+    fn the_indexer_dot_fuses_each_multiply_add() {
+        let x = 1.0 + 2f32.powi(-12);
+        let mut a = vec![0f32; 16];
+        let mut b = vec![0f32; 16];
+        (a[0], b[0]) = (-(1.0 + 2f32.powi(-11)), 1.0);
+        (a[8], b[8]) = (x, x);
+        assert_eq!(fused_dot(&a, &b), 2f32.powi(-24));
+        assert_eq!(fused_dot_portable(&a, &b), 2f32.powi(-24));
+        // a 17th element fuses into the combined sums: 2^-24 + (1 + 2^-11 + 2^-24) is exact in
+        // f32 (the product rounded first would tie to 1 + 2^-11 again)
+        a.push(x);
+        b.push(x);
+        assert_eq!(fused_dot(&a, &b), 1.0 + 2f32.powi(-11) + 2f32.powi(-23));
+        assert_eq!(fused_dot_portable(&a, &b), 1.0 + 2f32.powi(-11) + 2f32.powi(-23));
+    }
 
     /// One head, dim 4 (rope dim 2): keys chosen so scores tie, to pin the tie rule.
     #[test]
