@@ -662,6 +662,36 @@ fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
     let prefill = perf["prefill"].as_array().unwrap();
     assert!(prefill.iter().any(|p| p["chunk"] == 8192 && p["prefix"] == 0));
     assert!(prefill.iter().all(|p| p["step_ms"].as_f64().unwrap() > 0.0 && p["tokens_per_s"].as_f64().unwrap() > 0.0));
+    // time to first token: a prompt's pieces cover it from position 0 in order, their steps sum
+    // to the prompt's time; an 8k prompt is the table's 8k chunk from position 0, and the last
+    // piece of a 32k or 128k prompt is the table's 8k chunk ending there
+    let prompts = perf["prompts"].as_array().unwrap();
+    assert_eq!(prompts.iter().map(|p| p["tokens"].as_u64().unwrap()).collect::<Vec<_>>(), [8192, 32768, 65536, 131072]);
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
+    for p in prompts {
+        let pieces = p["pieces"].as_array().unwrap();
+        let mut next = 0;
+        for piece in pieces {
+            assert_eq!(piece["first_position"].as_u64(), Some(next), "{p}");
+            next += piece["tokens"].as_u64().unwrap();
+        }
+        assert_eq!(Some(next), p["tokens"].as_u64());
+        for (total, each) in [("ttft_ms", "step_ms"), ("ttft_ms_p2p", "step_ms_p2p")] {
+            let sum: f64 = pieces.iter().map(|q| f(q, each)).sum();
+            assert!((f(p, total) - sum).abs() < 1e-9 * sum, "{p}");
+        }
+        assert!((f(p, "tokens_per_s") - f(p, "tokens") / f(p, "ttft_ms") * 1e3).abs() < 1e-6 * f(p, "tokens_per_s"));
+        // every piece a full chunk of the largest program: no shorter program pays for 8k tokens
+        assert!(pieces.iter().all(|q| q["program"] == "prefill_8192" && q["tokens"] == 8192), "{p}");
+        let table = |prefix: u64| prefill.iter().find(|r| r["chunk"] == 8192 && r["prefix"] == prefix).unwrap_or_else(|| panic!("no prefill row of 8192 from {prefix}"));
+        let last = pieces.last().unwrap();
+        if [8192, 32768, 131072].contains(&p["tokens"].as_u64().unwrap()) {
+            assert!((f(last, "step_ms") - f(table(last["first_position"].as_u64().unwrap()), "step_ms")).abs() < 1e-9, "{p}");
+        }
+    }
+    // deeper chunks take longer (more keys to score, the selection over more positions)
+    let p128 = prompts[3]["pieces"].as_array().unwrap();
+    assert!(p128.windows(2).all(|w| f(&w[1], "step_ms") > f(&w[0], "step_ms")));
     let top = &perf["top"];
     assert_eq!((top["program"].as_str(), top["batch"].as_u64(), top["context"].as_u64()), (Some("decode_1"), Some(1), Some(8192)));
     let launches = top["launches"].as_array().unwrap();
@@ -694,6 +724,52 @@ fn inspect_perf_on_the_glm5_plan_is_instant_and_states_its_assumptions() {
     assert!(!bad.status.success(), "--top-prefill lists a prefill chunk, --top-batch a decode step: not both");
     let bad = inspect(&[SHIPPED, "--perf", "--dram-efficiency", "1.5"]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--dram-efficiency"));
+}
+
+/// The time-to-first-token rows price the pieces the runtime runs: a session prefilling a
+/// prompt with decode pieces allowed (as on the CUDA backend) replays exactly the programs,
+/// first positions and token counts the row lists, here across the micro plan's chunks
+/// (including its chunks deep in a context) and a tail the plan may take by decode steps.
+#[test]
+fn prompt_rows_list_the_pieces_the_runtime_prefills() {
+    let dir = scratch("prompt-pieces");
+    let (ckpt, art) = micro_plan(&dir, "bf16");
+    let opts = SessionOptions { prefill_by_decode: Some(true), ..SessionOptions::default() };
+    let mut session = Session::open(&art, Some(&ckpt), opts).expect("open the micro plan");
+    let plan = session.plan().clone();
+    let k = kiln_runtime::perf::Constants::for_target(&plan.target).expect("constants").0;
+    let vocab = plan.model.vocab_size as u32;
+    let mut kinds = Vec::new();
+    for tokens in [130, 300, 509] {
+        // each replay's program, its first real position and its real rows (rank 0's inputs)
+        let ran = Arc::new(Mutex::new(Vec::<(String, usize, usize)>::new()));
+        let sink = ran.clone();
+        let names: Vec<String> = plan.programs.iter().map(|p| p.name.clone()).collect();
+        let inputs: Vec<_> = plan.programs.iter().map(|p| p.inputs).collect();
+        session.cpu_mut().expect("CPU backend").set_observer(Some(Box::new(move |view: &kiln_runtime::cpu::StepView| {
+            if view.phase != kiln_runtime::cpu::StepPhase::Before || view.step != 0 {
+                return;
+            }
+            let i = inputs[view.program];
+            let (pos, seq) = (view.buffer_i32(0, i.positions), view.buffer_i32(0, i.token_seq));
+            let real: Vec<i32> = pos.iter().zip(seq).filter(|(_, &s)| s >= 0).map(|(&p, _)| p).collect();
+            sink.lock().unwrap().push((names[view.program].clone(), real[0] as usize, real.len()));
+        })));
+        let seq = session.new_sequence();
+        let ids: Vec<u32> = (0..tokens as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+        session.prefill(seq, &ids, LogitRows::Last).expect("prefill");
+        session.release(seq);
+        session.cpu_mut().unwrap().set_observer(None);
+        let row = kiln_runtime::perf::prompt::rows(&plan, &k, &[tokens]).expect("prompt row").remove(0);
+        let priced: Vec<(String, usize, usize)> = row.pieces.iter().map(|p| (p.program.clone(), p.first_position, p.tokens)).collect();
+        let ran = ran.lock().unwrap().clone();
+        assert_eq!(priced, ran, "{tokens} tokens");
+        assert!(ran.len() >= 2, "{tokens} tokens in more than one piece: {ran:?}");
+        kinds.extend(ran.iter().map(|(name, _, n)| (name.starts_with("decode"), *n < 128)));
+    }
+    // (what the cases cover: a tail of 2 tokens the model prices lower as decode rows, partial
+    // chunks and full ones)
+    assert!(kinds.contains(&(true, true)) && kinds.contains(&(false, true)) && kinds.contains(&(false, false)), "{kinds:?}");
 }
 
 #[test]

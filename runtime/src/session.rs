@@ -7,7 +7,7 @@ use crate::cpu::{CpuBackend, CpuOptions, Inputs};
 use crate::cuda::CudaBackend;
 use crate::emu_backend::EmuBackend;
 use crate::error::RuntimeError;
-use crate::plan::{read_artifact, Plan, ProgramKind};
+use crate::plan::{read_artifact, Plan, PrefillPiece, ProgramKind};
 use crate::weight_check;
 use std::path::{Path, PathBuf};
 
@@ -262,14 +262,12 @@ impl Runner {
         cached_step_us(step_costs, backend.plan(), index, context)
     }
 
-    /// [`Plan::prefill_piece_by_decode`] by the performance model's predicted steps.
-    fn prefill_piece_by_decode(&mut self, remaining: usize, first_position: usize) -> Option<usize> {
-        if !self.prefill_by_decode {
-            return None;
-        }
-        let Runner { backend, step_costs, .. } = self;
+    /// [`Plan::next_prefill_piece`] with the performance model's predicted steps (decode pieces
+    /// only where [`SessionOptions::prefill_by_decode`] allows them).
+    fn next_prefill_piece(&mut self, remaining: usize, first_position: usize) -> Option<PrefillPiece> {
+        let Runner { backend, step_costs, prefill_by_decode, .. } = self;
         let plan = backend.plan();
-        plan.prefill_piece_by_decode(remaining, first_position, |index, context| cached_step_us(step_costs, plan, index, context))
+        plan.next_prefill_piece(remaining, first_position, *prefill_by_decode, |index, context| cached_step_us(step_costs, plan, index, context))
     }
 
     pub fn check_ids(&self, ids: &[u32]) -> Result<(), RuntimeError> {
@@ -314,27 +312,26 @@ impl Runner {
         let mut done = 0;
         while done < ids.len() {
             let remaining = ids.len() - done;
-            if let Some(piece) = self.prefill_piece_by_decode(remaining, start + done) {
-                let batch: Vec<DecodeRow> = (done..done + piece).map(|i| DecodeRow { pages, pos: start + i, token: ids[i] }).collect();
-                let mut out = std::mem::take(&mut self.out);
-                let hidden = std::mem::take(&mut self.hidden);
-                let logits = self.decode(&batch)?;
-                match rows {
-                    LogitRows::All => out.extend_from_slice(logits),
-                    LogitRows::Last if done + piece == ids.len() => out.extend_from_slice(&logits[logits.len() - vocab..]),
-                    LogitRows::Last => {}
+            let next = self.next_prefill_piece(remaining, start + done).ok_or_else(|| RuntimeError::Unsupported { message: "the plan has no prefill program".into() })?;
+            let (index, mut m) = match next {
+                PrefillPiece::Prefill { program, tokens } => (program, tokens),
+                PrefillPiece::Decode { rows: piece, .. } => {
+                    let batch: Vec<DecodeRow> = (done..done + piece).map(|i| DecodeRow { pages, pos: start + i, token: ids[i] }).collect();
+                    let mut out = std::mem::take(&mut self.out);
+                    let hidden = std::mem::take(&mut self.hidden);
+                    let logits = self.decode(&batch)?;
+                    match rows {
+                        LogitRows::All => out.extend_from_slice(logits),
+                        LogitRows::Last if done + piece == ids.len() => out.extend_from_slice(&logits[logits.len() - vocab..]),
+                        LogitRows::Last => {}
+                    }
+                    self.out = out;
+                    self.hidden = [hidden, std::mem::take(&mut self.hidden)].concat();
+                    done += piece;
+                    continue;
                 }
-                self.out = out;
-                self.hidden = [hidden, std::mem::take(&mut self.hidden)].concat();
-                done += piece;
-                continue;
-            }
-            let index = self
-                .plan()
-                .prefill_program(remaining, start + done)
-                .ok_or_else(|| RuntimeError::Unsupported { message: "the plan has no prefill program".into() })?;
-            let (tokens, logit_rows) = (self.plan().programs[index].tokens, self.plan().programs[index].logit_rows);
-            let mut m = remaining.min(tokens);
+            };
+            let logit_rows = self.plan().programs[index].logit_rows;
             if rows == LogitRows::All {
                 m = m.min(logit_rows);
             }

@@ -24,9 +24,10 @@ pub struct Args {
 pub struct PerfArgs {
     /// Predict the step time, tokens/s and the longest launches of the decode and prefill
     /// programs from each launch's bytes and FLOPs (`max(bytes / bandwidth, flops / rate) + launch`)
-    /// and each collective's size, and what speculative decoding would make of the decode programs
-    /// (k drafts a sequence as k more rows: the step, and tokens/s by acceptance). Every figure is a
-    /// prediction.
+    /// and each collective's size, the time to first token of 8k to 128k prompts (the chunks the
+    /// runtime prefills them in, each at its context), and what speculative decoding would make of
+    /// the decode programs (k drafts a sequence as k more rows: the step, and tokens/s by
+    /// acceptance). Every figure is a prediction.
     #[arg(long)]
     perf: bool,
     /// DRAM bandwidth per GPU, TB/s [default: 1.792 for sm_120a; the target's for sm_90a].
@@ -266,6 +267,21 @@ fn context(c: usize) -> String {
     }
 }
 
+/// Time to first token of prompts from position 0: the pieces the runtime runs, summed.
+fn prompts(out: &mut String, r: &perf::Report) -> std::fmt::Result {
+    if r.prompts.is_empty() {
+        return Ok(());
+    }
+    writeln!(out)?;
+    writeln!(out, "  time to first token (predicted; a prompt from position 0 in the pieces the CUDA backend runs, each at the context it ends at)")?;
+    writeln!(out, "    {:>7} {:>9} {:>7} {:>9} {:>9}  pieces", "prompt", "ttft s", "tok/s", "p2p s", "p2p tok/s")?;
+    for p in &r.prompts {
+        let runs: Vec<String> = perf::prompt::runs(&p.pieces).iter().map(|(name, n)| if *n == 1 { name.to_string() } else { format!("{n} x {name}") }).collect();
+        writeln!(out, "    {:>7} {:>9.2} {:>7.0} {:>9.2} {:>9.0}  {}", context(p.tokens), p.ttft_ms / 1e3, p.tokens_per_s, p.ttft_ms_p2p / 1e3, p.tokens_per_s_p2p, runs.join(", "))?;
+    }
+    Ok(())
+}
+
 /// The prediction as text: assumptions first, then decode and prefill rows, then the longest launches.
 fn perf_text(out: &mut String, r: &perf::Report) -> std::fmt::Result {
     let k = &r.assumptions.constants;
@@ -299,6 +315,7 @@ fn perf_text(out: &mut String, r: &perf::Report) -> std::fmt::Result {
     for p in &r.prefill {
         step_row(out, p.chunk, &p.step, 0)?;
     }
+    prompts(out, r)?;
     speculative(out, r)?;
     let t = &r.top;
     writeln!(out)?;

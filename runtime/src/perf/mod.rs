@@ -16,6 +16,7 @@
 
 pub mod kernels;
 pub mod load;
+pub mod prompt;
 pub mod speculative;
 
 pub use kernels::{launch_cost, launch_part_costs, Bytes, Class, Cost, Flops};
@@ -492,6 +493,8 @@ pub struct Report {
     pub assumptions: Assumptions,
     pub decode: Vec<DecodeRow>,
     pub prefill: Vec<PrefillRow>,
+    /// Prompts prefilled from position 0 to their first token ([`prompt`]).
+    pub prompts: Vec<prompt::PromptRow>,
     /// The decode programs as speculative decoding would use them ([`speculative`]).
     pub speculative: Vec<speculative::SpeculativeRow>,
     pub top: Top,
@@ -565,6 +568,7 @@ pub fn report(plan: &Plan, k: &Constants, mut notes_extra: Vec<String>, step: To
             prefill.push(PrefillRow { chunk, prefix: c - chunk, step: StepPerf::of(p, c, chunk, &perf, k) });
         }
     }
+    let prompts = prompt::rows(plan, k, &prompt::PROMPTS)?;
     let speculative = speculative::rows(plan, k, &contexts)?;
     let top = top(plan, k, step, context.min(max_context), count)?;
     if context > max_context {
@@ -572,7 +576,7 @@ pub fn report(plan: &Plan, k: &Constants, mut notes_extra: Vec<String>, step: To
     }
     let mut all_notes = notes(plan);
     all_notes.extend(notes_extra);
-    Ok(Report { assumptions: Assumptions { target: plan.target.name.clone(), constants: *k, notes: all_notes }, decode, prefill, speculative, top })
+    Ok(Report { assumptions: Assumptions { target: plan.target.name.clone(), constants: *k, notes: all_notes }, decode, prefill, prompts, speculative, top })
 }
 
 /// Which step [`top`] lists: the decode step of `batch` sequences, or the prefill chunk of

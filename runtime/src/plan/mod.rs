@@ -31,6 +31,14 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever the serialized layout of [`Plan`] changes; the runtime refuses other versions.
 pub const FORMAT_VERSION: u32 = 19;
 
+/// One step of a prompt's prefill ([`Plan::next_prefill_piece`]): `rows` of the sequence's next
+/// tokens as a decode step of `program`, or `tokens` of them as a chunk of prefill `program`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillPiece {
+    Decode { program: usize, rows: usize },
+    Prefill { program: usize, tokens: usize },
+}
+
 /// A compiled model for one target: the unit the runtime loads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -123,6 +131,21 @@ impl Plan {
         let prefill = || self.programs.iter().enumerate().filter(|(_, p)| matches!(p.kind, ProgramKind::Prefill { .. }) && p.from_position <= first_position);
         let size = prefill().filter(|(_, p)| p.tokens >= tokens).map(|(_, p)| p.tokens).min().or_else(|| prefill().map(|(_, p)| p.tokens).max())?;
         prefill().filter(|(_, p)| p.tokens == size).max_by_key(|(_, p)| p.from_position).map(|(i, _)| i)
+    }
+
+    /// What a prefill of `remaining` tokens from `first_position` runs next, as `Runner::prefill`
+    /// takes it: with `by_decode`, a decode step of the next rows where
+    /// [`Plan::prefill_piece_by_decode`] says that is faster per token (`step_us` as there); else
+    /// the prefill program [`Plan::prefill_program`] picks, for as many tokens as it holds. None
+    /// where the plan has neither.
+    pub fn next_prefill_piece(&self, remaining: usize, first_position: usize, by_decode: bool, step_us: impl FnMut(usize, usize) -> Option<f64>) -> Option<PrefillPiece> {
+        if by_decode {
+            if let Some(rows) = self.prefill_piece_by_decode(remaining, first_position, step_us) {
+                return Some(PrefillPiece::Decode { program: self.decode_program(rows)?, rows });
+            }
+        }
+        let program = self.prefill_program(remaining, first_position)?;
+        Some(PrefillPiece::Prefill { program, tokens: remaining.min(self.programs[program].tokens) })
     }
 
     /// How many of the `remaining` tokens of a prefill from `first_position` to run next as one
