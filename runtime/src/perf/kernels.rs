@@ -348,7 +348,8 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
     let stride = p.v_or("STRIDE", 1.0) as usize;
     let own;
     let tokens = if stride > 1 {
-        own = Tokens { positions: load.tokens.positions.iter().skip(load.rank % stride).step_by(stride).copied().collect() };
+        let rows = |v: &[Option<u32>]| v.iter().skip(load.rank % stride).step_by(stride).copied().collect();
+        own = Tokens { positions: rows(&load.tokens.positions), seqs: load.tokens.seqs.iter().skip(load.rank % stride).step_by(stride).copied().collect() };
         &own
     } else {
         &load.tokens
@@ -356,10 +357,27 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
     let rows = l.grid[0] as f64 * tt;
     let tiles = l.grid[1] as f64;
     let threads = l.block[0] as f64;
-    // the token's token_seq and position: every thread loads them, in MODE 1 and 2 thread 0
-    // per block
-    c.read(Class::Aux, 8.0 * rows, if mode == 0.0 { threads } else { tiles });
     let positions = tokens.sum(|n| if n > topk { n } else { 0.0 });
+    let scan = |n: f64| if n > topk { n } else { 0.0 };
+    // MODE 1 pairs: (the shorter row's positions, the longer's) where a pair shares its keys
+    // (one sequence, both rows scored), and the blocks along y that take it as a pair (those
+    // whose first tile is inside both rows; the others take its rows one after the other)
+    let decode_pairs: Vec<Option<(f64, f64)>> = if mode == 1.0 && tt == 2.0 {
+        tokens
+            .pairs()
+            .iter()
+            .map(|[a, b]| match (a, b) {
+                (Some((na, Some(_))), Some((nb, _))) if scan(*na) > 0.0 && scan(*nb) > 0.0 => Some((na.min(*nb), na.max(*nb))),
+                _ => None,
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let pair_blocks = |short: f64| (short / threads).ceil().min(tiles);
+    // the token's token_seq and position: every thread loads them, in MODE 1 and 2 thread 0
+    // per block (MODE 1 pairs: both rows' at once)
+    c.read(Class::Aux, 8.0 * rows, if mode == 0.0 { threads } else { tiles });
     if mode == 2.0 {
         c.write(rows * topk * 4.0);
         c.read(Class::Activations, positions * 4.0, 1.0);
@@ -385,20 +403,30 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
     // blocks that stage q and the head weights
     let staging = tokens.sum(|n| if n <= topk { 0.0 } else if mode == 1.0 { (n / threads).ceil().min(tiles) } else { 1.0 });
     if mode == 1.0 {
-        // blocks without a tile exit at once
-        c.blocks = staging.max(1.0);
+        // blocks without a tile exit at once (a pair's blocks: those with a tile of either row)
+        c.blocks = if tt == 2.0 { tokens.pairs().iter().map(|[a, b]| (a.map_or(0.0, |r| scan(r.0)).max(b.map_or(0.0, |r| scan(r.0))) / threads).ceil().min(tiles)).sum::<f64>() } else { staging }.max(1.0);
     }
     let pages = tokens.sum(|n| if n > topk { (n / page).ceil() } else { 0.0 });
-    // positions whose key a block loads, and scores computed (a shared pair: the longer row's
-    // positions, scored twice)
+    // positions whose key a block loads, and scores computed: a shared pair loads the longer
+    // row's positions once and scores each for both (MODE 0, prefill: one sequence), in MODE 1
+    // only in the blocks that take it as a pair (a tile of a block past the shorter row scores
+    // the longer row alone)
     let (keys, scored, pages) = if tt == 2.0 {
-        let scan = |n: f64| if n > topk { n } else { 0.0 };
-        tokens.positions.chunks(2).fold((0.0, 0.0, 0.0), |(k, s, g), pair| match *pair {
-            [Some(a), Some(b)] if scan(a as f64 + 1.0) > 0.0 && scan(b as f64 + 1.0) > 0.0 => {
-                let n = a.max(b) as f64 + 1.0;
-                (k + n, s + 2.0 * n, g + (n / page).ceil())
+        tokens.pairs().iter().enumerate().fold((0.0, 0.0, 0.0), |(k, s, g), (i, [a, b])| {
+            let (na, nb) = (a.map_or(0.0, |r| scan(r.0)), b.map_or(0.0, |r| scan(r.0)));
+            let shared = if mode == 1.0 { decode_pairs[i].is_some() } else { a.and_then(|r| r.1).is_some() && na > 0.0 && nb > 0.0 };
+            if !shared {
+                return (k + na + nb, s + na + nb, g + (na / page).ceil() + (nb / page).ceil());
             }
-            _ => pair.iter().flatten().map(|&a| scan(a as f64 + 1.0)).fold((k, s, g), |(k, s, g), n| (k + n, s + n, g + (n / page).ceil())),
+            let (short, n) = (na.min(nb), na.max(nb));
+            let twice = if mode == 1.0 {
+                // tile t of the longer row: block t mod grid.y, a pair's if that block's first
+                // tile is inside the shorter row
+                (0..(n / threads).ceil() as u64).map(|t| if ((t as f64) % tiles) < pair_blocks(short) { (n - t as f64 * threads).min(threads) } else { 0.0 }).sum::<f64>()
+            } else {
+                n
+            };
+            (k + n, s + n + twice, g + (n / page).ceil())
         })
     } else {
         (positions, positions, pages)

@@ -9,6 +9,9 @@
 pub struct Tokens {
     /// The absolute position of each row's token; `None` for a padding row (`token_seq < 0`).
     pub positions: Vec<Option<u32>>,
+    /// Each row's sequence (its `token_seq`; any value for a padding row): rows of one sequence
+    /// read the same cache rows, which a kernel may load once for several of them.
+    pub seqs: Vec<u32>,
 }
 
 impl Tokens {
@@ -20,6 +23,20 @@ impl Tokens {
     /// `sum f(n)` over the real tokens, `n` = cached positions the token sees (its position + 1).
     pub fn sum(&self, f: impl Fn(f64) -> f64) -> f64 {
         self.positions.iter().flatten().map(|&p| f(p as f64 + 1.0)).sum()
+    }
+
+    /// Rows `2i` and `2i + 1` as pairs: `(n, Some(seq))` per real row, `n` its cached positions,
+    /// with the sequence where both rows of its pair are real and one sequence's; the last row
+    /// of an odd count alone.
+    pub fn pairs(&self) -> Vec<[Option<(f64, Option<u32>)>; 2]> {
+        let row = |r: usize| self.positions.get(r).copied().flatten().map(|p| p as f64 + 1.0);
+        (0..self.positions.len().div_ceil(2))
+            .map(|i| {
+                let (a, b) = (row(2 * i), row(2 * i + 1));
+                let shared = (a.is_some() && b.is_some() && self.seqs[2 * i] == self.seqs[2 * i + 1]).then_some(self.seqs[2 * i]);
+                [a.map(|n| (n, shared)), b.map(|n| (n, shared))]
+            })
+            .collect()
     }
 
     /// The largest `f(n)` over the real tokens (0 if none).
@@ -110,16 +127,26 @@ impl Load {
     /// A decode step: `batch` real sequences (the first rows of the program), each at `context`
     /// cached positions after this step's token (its position is `context - 1`).
     pub fn decode(rows: usize, batch: usize, context: usize, experts: impl Fn(usize) -> Experts, ranks: usize) -> Load {
-        let pos = context.saturating_sub(1) as u32;
-        let positions = (0..rows).map(|r| (r < batch).then_some(pos)).collect();
-        Load { tokens: Tokens { positions }, experts: experts(batch), embed_rows: rows as f64 / ranks.max(1) as f64, logit_rows: batch as f64, rank: ranks.saturating_sub(1) }
+        Load::decode_rows(rows, batch, 1, context, experts, ranks)
+    }
+
+    /// A decode step of `batch` sequences with `per_seq` rows each (a speculative step: a
+    /// sequence's token and its drafts at the next positions, its rows consecutive as the engine
+    /// lays them out), the first row of each at `context - 1`.
+    pub fn decode_rows(rows: usize, batch: usize, per_seq: usize, context: usize, experts: impl Fn(usize) -> Experts, ranks: usize) -> Load {
+        let per_seq = per_seq.max(1);
+        let first = context.saturating_sub(1);
+        let real = batch * per_seq;
+        let positions = (0..rows).map(|r| (r < real).then_some((first + r % per_seq) as u32)).collect();
+        let seqs = (0..rows).map(|r| (r / per_seq) as u32).collect();
+        Load { tokens: Tokens { positions, seqs }, experts: experts(real), embed_rows: rows as f64 / ranks.max(1) as f64, logit_rows: real as f64, rank: ranks.saturating_sub(1) }
     }
 
     /// A prefill chunk of `chunk` real tokens at positions `prefix ..` (one sequence), returning
     /// the logits of its last token.
     pub fn prefill(rows: usize, chunk: usize, prefix: usize, experts: impl Fn(usize) -> Experts, ranks: usize) -> Load {
         let positions = (0..rows).map(|r| (r < chunk).then_some((prefix + r) as u32)).collect();
-        Load { tokens: Tokens { positions }, experts: experts(chunk), embed_rows: rows as f64 / ranks.max(1) as f64, logit_rows: 1.0, rank: ranks.saturating_sub(1) }
+        Load { tokens: Tokens { positions, seqs: vec![0; rows] }, experts: experts(chunk), embed_rows: rows as f64 / ranks.max(1) as f64, logit_rows: 1.0, rank: ranks.saturating_sub(1) }
     }
 }
 

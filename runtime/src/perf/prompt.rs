@@ -47,12 +47,7 @@ fn row(plan: &Plan, k: &Constants, tokens: usize) -> Result<PromptRow, String> {
         let (program, taken, load) = match next {
             PrefillPiece::Prefill { program, tokens: m } => (program, m, Load::prefill(plan.programs[program].tokens, m, done, experts, plan.ranks())),
             // the sequence's next rows, each at its own position
-            PrefillPiece::Decode { program, rows } => {
-                let width = plan.programs[program].tokens;
-                let mut load = Load::decode(width, rows, done + rows, experts, plan.ranks());
-                load.tokens.positions = (0..width).map(|r| (r < rows).then_some((done + r) as u32)).collect();
-                (program, rows, load)
-            }
+            PrefillPiece::Decode { program, rows } => (program, rows, Load::decode_rows(plan.programs[program].tokens, 1, rows, done + 1, experts, plan.ranks())),
         };
         if taken == 0 {
             return Err(format!("the plan's {} takes no tokens of a prompt at position {done}", plan.programs[program].name));

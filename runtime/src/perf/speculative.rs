@@ -76,20 +76,21 @@ pub fn rows(plan: &Plan, k: &Constants, contexts: &[usize]) -> Result<Vec<Specul
     let mut out = Vec::new();
     for &batch in &batches {
         for &context in contexts {
-            let program_step = |i: Option<usize>, rows: usize| -> Result<Option<(String, f64, f64)>, String> {
+            // (rows of `per_seq` a sequence, consecutive, at its next positions)
+            let program_step = |i: Option<usize>, rows: usize, per_seq: usize| -> Result<Option<(String, f64, f64)>, String> {
                 let Some(i) = i else { return Ok(None) };
                 let p = &plan.programs[i];
-                let perf = predict_program(plan, p, &Load::decode(p.tokens, rows, context, experts, ranks), k)?;
+                let perf = predict_program(plan, p, &Load::decode_rows(p.tokens, rows / per_seq, per_seq, context, experts, ranks), k)?;
                 Ok(Some((p.name.clone(), perf.step_us(false), perf.step_us(true))))
             };
-            let step = |rows: usize| program_step(plan.decode_program(rows), rows);
-            let draft_step = |rows: usize| -> Result<Option<f64>, String> { Ok(program_step(plan.draft_program(rows), rows)?.map(|(.., p2p)| p2p)) };
-            let Some((_, _, plain)) = step(batch)? else { continue };
+            let step = |rows: usize, per_seq: usize| program_step(plan.decode_program(rows), rows, per_seq);
+            let draft_step = |rows: usize, per_seq: usize| -> Result<Option<f64>, String> { Ok(program_step(plan.draft_program(rows), rows, per_seq)?.map(|(.., p2p)| p2p)) };
+            let Some((_, _, plain)) = step(batch, 1)? else { continue };
             for drafts in 1..=MAX_DRAFTS {
                 let rows = batch * (1 + drafts);
-                let Some((program, nccl, p2p)) = step(rows)? else { break };
+                let Some((program, nccl, p2p)) = step(rows, 1 + drafts)? else { break };
                 let per_s = |a: f64| batch as f64 * expected_tokens(a, drafts) / p2p * 1e6;
-                let draft_us = match (draft_step(rows)?, draft_step(batch)?) {
+                let draft_us = match (draft_step(rows, 1 + drafts)?, draft_step(batch, 1)?) {
                     (Some(first), Some(next)) => Some(first + (drafts - 1) as f64 * next),
                     _ => None,
                 };

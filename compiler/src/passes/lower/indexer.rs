@@ -7,7 +7,8 @@
 //! rows only (`STRIDE` = ranks, the rank's first token a per-rank argument). Decode, where
 //! that leaves all but a few SMs idle (measured on an H200: 0.55 ms per layer at 8k context),
 //! scores in one launch of a block per (token, 64 positions) into the op's `scores` scratch
-//! (MODE 1) and selects in a second, one block per token (MODE 2: up to `fast_positions` a radix
+//! (MODE 1; with an even number of rows a block per two rows, which loads each key once where
+//! both are one sequence's: a speculative step's token and drafts) and selects in a second, one block per token (MODE 2: up to `fast_positions` a radix
 //! select over every key in shared memory, no sort; longer contexts over several blocks of
 //! `select_chunk` positions each, the token's last to finish selecting from their lists, so a
 //! 128k context is not one block's serial work). Scores are bit-identical to the CPU's
@@ -174,8 +175,15 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     // is not, and blocks past a short context only exit).
     let score_threads = (heads.next_multiple_of(32) as u32).max(SCORE_THREADS);
     let tiles = positions.div_ceil(score_threads as usize);
+    // With an even number of rows, a block per two rows (`TT` = 2): where both are one
+    // sequence's (a speculative step's token and drafts, a prompt's tail taken as decode rows)
+    // each key is loaded once for both; other pairs take their rows one after the other. The
+    // blocks along y stay what a block per row would have (more would stage q in more blocks):
+    // a block for every SM, each with twice the rows
+    let tt = if tokens % 2 == 0 { 2 } else { 1 };
+    let row_blocks = tokens / tt;
     let per_token = (2 * cx.consts.sms as usize).div_ceil(tokens).clamp(1, tiles) as u32;
-    let score = IndexerTopkParams { mode: 1, threads: score_threads, ..params };
+    let score = IndexerTopkParams { mode: 1, threads: score_threads, tt: tt as u32, ..params };
     // The selection's result is the exact top-k in ascending position order whatever the block
     // size; contexts past `fast` are selected in chunks, a block each, counted in at a counter
     // per token in the split-K region. Only where the grid of every token's chunks fits on the
@@ -188,7 +196,7 @@ pub(super) fn instances(cx: &Cx, op: &Op) -> Result<Vec<Instance>, String> {
     let select = IndexerTopkParams { mode: 2, threads: SELECT_THREADS, cap: select_cap as u32, fast, chunk, ..params };
     let select_args = IndexerTopkArgs { splitk: if chunk > 0 { Ptr::SplitKRegion } else { Ptr::Buffer(out) }, ..args };
     Ok(vec![
-        of_grid(&score, [tokens as u32, per_token, 1], score_threads, args.launch_args()),
+        of_grid(&score, [row_blocks as u32, per_token, 1], score_threads, args.launch_args()),
         of_grid(&select, [tokens as u32, chunks, 1], SELECT_THREADS, select_args.launch_args()),
     ])
 }
