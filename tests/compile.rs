@@ -877,7 +877,12 @@ fn prefill_indexer_takes_a_block_per_two_tokens_where_they_fill_the_sms() {
                 let param = |name: &str| k.params.iter().find(|(n, _)| n == name).map(|(_, v)| *v).unwrap();
                 assert_eq!(param("STRIDE"), if across_ranks { ranks as u64 } else { 1 }, "{}: {}", p.name, k.name);
                 let pairs = matches!(p.kind, ProgramKind::Prefill { .. }) && rows / 2 >= consts.sms as usize;
-                assert_eq!(param("TT"), if pairs { 2 } else { 1 }, "{}: {}", p.name, k.name);
+                // decode's scoring (MODE 1): a block per two rows wherever the rows are even
+                let decode_pairs = param("MODE") == 1 && rows % 2 == 0;
+                assert_eq!(param("TT"), if pairs || decode_pairs { 2 } else { 1 }, "{}: {}", p.name, k.name);
+                if param("MODE") == 1 {
+                    assert_eq!(l.grid[0] as usize, rows / param("TT") as usize, "{}", p.name);
+                }
                 if pairs {
                     assert_eq!((param("MODE"), l.grid), (0, [rows as u32 / 2, 1, 1]), "{}", p.name);
                     paired.push(p.name.clone());
@@ -988,7 +993,12 @@ fn draft_mtp_nvfp4_compiles_for_gpus_and_prices_the_draft_steps() {
     let context = 512;
     let (k, _) = kiln_runtime::perf::Constants::for_target(&plan.target).unwrap();
     let rows = kiln_runtime::perf::speculative::rows(&plan, &k, &[context]).unwrap();
-    let draft_ms = |r: usize| kiln_runtime::perf::program_step_us(&plan, plan.draft_program(r).unwrap(), context).unwrap() / 1e3;
+    // (the first draft step's rows are one sequence's, at its next positions)
+    let draft_ms = |r: usize| {
+        let p = &plan.programs[plan.draft_program(r).unwrap()];
+        let load = kiln_runtime::perf::Load::decode_rows(p.tokens, 1, r, context, |t| kiln_runtime::perf::uniform_experts(&plan, t), plan.ranks());
+        kiln_runtime::perf::predict_program(&plan, p, &load, &k).unwrap().step_us(true) / 1e3
+    };
     for (drafts, want) in [(1, draft_ms(2)), (3, draft_ms(4) + 2.0 * draft_ms(1))] {
         let row = rows.iter().find(|r| r.batch == 1 && r.drafts == drafts).unwrap();
         let got = row.draft_ms_p2p.unwrap();
