@@ -26,7 +26,8 @@ pub(crate) fn key_write(k: &[f32], norm: &[f32], bias: &[f32], eps: f32, tokens:
 /// For each token: score every cached position `j <= pos` of its sequence with
 /// `sum_h (w[h] / sqrt(H)) * relu(q_h . k_j) / sqrt(D)` (q_h with RoPE on its first rope-dim
 /// values; each dot product by [`fused_dot`]) and write the `min(topk, pos + 1)` best positions
-/// (ties: lower position first) in ascending order, padded with -1. When every position fits, all are selected without scoring.
+/// (ties: lower position first) in ascending order, padded with -1. When every position fits,
+/// all are selected without scoring.
 /// Row j of `out` is token `j * stride + first`'s (a sequence-parallel indexer's rank `first` of
 /// `stride`; 0 of 1 selects for every token).
 #[allow(clippy::too_many_arguments)]
@@ -34,6 +35,7 @@ pub(crate) fn top_k(q: &[f32], w: &[f32], heads: usize, tokens: &Tokens, cache: 
     let d = cache.index_dim;
     let head_scale = (heads as f32).powf(-0.5);
     let dim_scale = (d as f32).powf(-0.5);
+    let dot = fused_dot();
     let task = |(j, row): (usize, &mut [i32])| {
         let t = j * stride + first;
         row.fill(-1);
@@ -56,7 +58,7 @@ pub(crate) fn top_k(q: &[f32], w: &[f32], heads: usize, tokens: &Tokens, cache: 
                     let kj = cache.index(layer, slot);
                     let mut s = 0f32;
                     for (qh, &wh) in qr.chunks_exact(d).zip(wt) {
-                        s += (wh * head_scale) * (fused_dot(qh, kj).max(0.0) * dim_scale);
+                        s += (wh * head_scale) * (dot(qh, kj).max(0.0) * dim_scale);
                     }
                     scores[m] = (s, j as u32);
                     m += 1;
@@ -91,22 +93,26 @@ pub(crate) fn top_k(q: &[f32], w: &[f32], heads: usize, tokens: &Tokens, cache: 
 /// fused in turn (the GPU's key dims are a multiple of 8). Fused because the scoring is the one
 /// FP32-bound kernel of a long context: a separate multiply and add take two issue slots per
 /// element where a fused one takes one, and the GPU's selection must stay bit-identical to this.
-pub(crate) fn fused_dot(a: &[f32], b: &[f32]) -> f32 {
+/// Returns the form for this CPU, found once per caller rather than per dot product.
+pub(crate) fn fused_dot() -> fn(&[f32], &[f32]) -> f32 {
     // x86-64's baseline has no FMA instruction, so `mul_add` there is a software routine (13x
     // slower on a 128-dim dot); the same function compiled with the instruction, where the CPU
     // has it, gives the same bits (both are IEEE fused multiply-adds)
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has just been found to support FMA
-        return unsafe { fused_dot_with_fma(a, b) };
+        return fused_dot_with_fma;
     }
-    fused_dot_portable(a, b)
+    fused_dot_portable
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "fma")]
-unsafe fn fused_dot_with_fma(a: &[f32], b: &[f32]) -> f32 {
-    fused_dot_portable(a, b)
+fn fused_dot_with_fma(a: &[f32], b: &[f32]) -> f32 {
+    #[target_feature(enable = "fma")]
+    unsafe fn with_fma(a: &[f32], b: &[f32]) -> f32 {
+        fused_dot_portable(a, b)
+    }
+    // SAFETY: only returned by `fused_dot` where the CPU supports FMA
+    unsafe { with_fma(a, b) }
 }
 
 #[inline(always)]
@@ -140,13 +146,13 @@ mod tests {
         let mut b = vec![0f32; 16];
         (a[0], b[0]) = (-(1.0 + 2f32.powi(-11)), 1.0);
         (a[8], b[8]) = (x, x);
-        assert_eq!(fused_dot(&a, &b), 2f32.powi(-24));
+        assert_eq!(fused_dot()(&a, &b), 2f32.powi(-24));
         assert_eq!(fused_dot_portable(&a, &b), 2f32.powi(-24));
         // a 17th element fuses into the combined sums: 2^-24 + (1 + 2^-11 + 2^-24) is exact in
         // f32 (the product rounded first would tie to 1 + 2^-11 again)
         a.push(x);
         b.push(x);
-        assert_eq!(fused_dot(&a, &b), 1.0 + 2f32.powi(-11) + 2f32.powi(-23));
+        assert_eq!(fused_dot()(&a, &b), 1.0 + 2f32.powi(-11) + 2f32.powi(-23));
         assert_eq!(fused_dot_portable(&a, &b), 1.0 + 2f32.powi(-11) + 2f32.powi(-23));
     }
 

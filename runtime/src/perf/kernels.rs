@@ -6,7 +6,7 @@
 //! block per head group re-reads the selected latent rows). `tests/perf.rs` holds these counts
 //! against the emulator's, launch by launch and class by class.
 
-use super::load::{Load, Tokens};
+use super::load::Load;
 use crate::plan::{Arch, KernelInfo, Launch, Plan, Step};
 use serde::Serialize;
 
@@ -348,8 +348,7 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
     let stride = p.v_or("STRIDE", 1.0) as usize;
     let own;
     let tokens = if stride > 1 {
-        let rows = |v: &[Option<u32>]| v.iter().skip(load.rank % stride).step_by(stride).copied().collect();
-        own = Tokens { positions: rows(&load.tokens.positions), seqs: load.tokens.seqs.iter().skip(load.rank % stride).step_by(stride).copied().collect() };
+        own = load.tokens.every(load.rank % stride, stride);
         &own
     } else {
         &load.tokens
@@ -359,16 +358,17 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
     let threads = l.block[0] as f64;
     let positions = tokens.sum(|n| if n > topk { n } else { 0.0 });
     let scan = |n: f64| if n > topk { n } else { 0.0 };
-    // MODE 1 pairs: (the shorter row's positions, the longer's) where a pair shares its keys
-    // (one sequence, both rows scored), and the blocks along y that take it as a pair (those
-    // whose first tile is inside both rows; the others take its rows one after the other)
-    let decode_pairs: Vec<Option<(f64, f64)>> = if mode == 1.0 && tt == 2.0 {
+    // MODE 1: the blocks along y that take a shared pair as a pair (those whose first tile is
+    // inside both rows; the others take its rows one after the other)
+    // rows 2i and 2i + 1 (TT = 2): each row's scanned positions, and whether the pair shares its
+    // keys (one sequence, both rows scored)
+    let pairs: Vec<(f64, f64, bool)> = if tt == 2.0 {
         tokens
             .pairs()
             .iter()
-            .map(|[a, b]| match (a, b) {
-                (Some((na, Some(_))), Some((nb, _))) if scan(*na) > 0.0 && scan(*nb) > 0.0 => Some((na.min(*nb), na.max(*nb))),
-                _ => None,
+            .map(|&(a, b, one_sequence)| {
+                let (na, nb) = (a.map_or(0.0, scan), b.map_or(0.0, scan));
+                (na, nb, one_sequence && na > 0.0 && nb > 0.0)
             })
             .collect()
     } else {
@@ -404,7 +404,7 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
     let staging = tokens.sum(|n| if n <= topk { 0.0 } else if mode == 1.0 { (n / threads).ceil().min(tiles) } else { 1.0 });
     if mode == 1.0 {
         // blocks without a tile exit at once (a pair's blocks: those with a tile of either row)
-        c.blocks = if tt == 2.0 { tokens.pairs().iter().map(|[a, b]| (a.map_or(0.0, |r| scan(r.0)).max(b.map_or(0.0, |r| scan(r.0))) / threads).ceil().min(tiles)).sum::<f64>() } else { staging }.max(1.0);
+        c.blocks = if tt == 2.0 { pairs.iter().map(|&(na, nb, _)| (na.max(nb) / threads).ceil().min(tiles)).sum::<f64>() } else { staging }.max(1.0);
     }
     let pages = tokens.sum(|n| if n > topk { (n / page).ceil() } else { 0.0 });
     // positions whose key a block loads, and scores computed: a shared pair loads the longer
@@ -412,9 +412,7 @@ fn indexer_topk(p: &Params, l: &Launch, load: &Load, c: &mut Cost) -> Result<(),
     // only in the blocks that take it as a pair (a tile of a block past the shorter row scores
     // the longer row alone)
     let (keys, scored, pages) = if tt == 2.0 {
-        tokens.pairs().iter().enumerate().fold((0.0, 0.0, 0.0), |(k, s, g), (i, [a, b])| {
-            let (na, nb) = (a.map_or(0.0, |r| scan(r.0)), b.map_or(0.0, |r| scan(r.0)));
-            let shared = if mode == 1.0 { decode_pairs[i].is_some() } else { a.and_then(|r| r.1).is_some() && na > 0.0 && nb > 0.0 };
+        pairs.iter().fold((0.0, 0.0, 0.0), |(k, s, g), &(na, nb, shared)| {
             if !shared {
                 return (k + na + nb, s + na + nb, g + (na / page).ceil() + (nb / page).ceil());
             }

@@ -25,16 +25,19 @@ impl Tokens {
         self.positions.iter().flatten().map(|&p| f(p as f64 + 1.0)).sum()
     }
 
-    /// Rows `2i` and `2i + 1` as pairs: `(n, Some(seq))` per real row, `n` its cached positions,
-    /// with the sequence where both rows of its pair are real and one sequence's; the last row
-    /// of an odd count alone.
-    pub fn pairs(&self) -> Vec<[Option<(f64, Option<u32>)>; 2]> {
+    /// Rows `first`, `first + stride`, ... (a sequence-parallel indexer rank's rows).
+    pub fn every(&self, first: usize, stride: usize) -> Tokens {
+        Tokens { positions: self.positions.iter().skip(first).step_by(stride).copied().collect(), seqs: self.seqs.iter().skip(first).step_by(stride).copied().collect() }
+    }
+
+    /// Rows `2i` and `2i + 1` as pairs: each row's cached positions (None: padding or past the
+    /// rows, the last of an odd count alone), and whether both are real rows of one sequence.
+    pub fn pairs(&self) -> Vec<(Option<f64>, Option<f64>, bool)> {
         let row = |r: usize| self.positions.get(r).copied().flatten().map(|p| p as f64 + 1.0);
         (0..self.positions.len().div_ceil(2))
             .map(|i| {
                 let (a, b) = (row(2 * i), row(2 * i + 1));
-                let shared = (a.is_some() && b.is_some() && self.seqs[2 * i] == self.seqs[2 * i + 1]).then_some(self.seqs[2 * i]);
-                [a.map(|n| (n, shared)), b.map(|n| (n, shared))]
+                (a, b, a.is_some() && b.is_some() && self.seqs[2 * i] == self.seqs[2 * i + 1])
             })
             .collect()
     }
