@@ -231,6 +231,30 @@ fn glm5_skeleton_tp8_matches_independent_weight_count_and_public_kv_capacity() {
         let lacking = 7.0 / 8.0 * (rows * k * 2.0 / (1.792e6 * 0.85) + 2.0 * 8192.0 * rows * k / 0.4e9);
         let copied = choice["how"].as_str().unwrap().contains("prefill computes it whole from a copy");
         assert_eq!(copied, saved(rows, k) > gather_us && chunk_gather >= 4.0 * lacking, "{name}: {choice}");
+        // The decode batches whose gather of the copied projection (wq_b alone in its gather;
+        // P2P while a rank's share fits 64 KiB) takes longer than computing it whole adds: 16,
+        // 32 and 64 (batch 8: 9.1 µs against 9.9; batch 16: 10.3 against 10.2)
+        if copied {
+            let batches: Vec<u32> = [1u32, 2, 4, 8, 16, 32, 64]
+                .into_iter()
+                .filter(|&b| {
+                    let b = b as f64;
+                    assert!(b * rows / 8.0 * 2.0 <= 65536.0);
+                    let gather = 8.0 + 7.0 * b * rows / 8.0 * 2.0 / 50e3;
+                    gather > 7.0 / 8.0 * (rows * k * 2.0 / (1.792e6 * 0.85) + 2.0 * b * rows * k / 0.4e9)
+                })
+                .collect();
+            assert_eq!(batches, [16, 32, 64]);
+            let listed = batches.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(", ");
+            assert!(choice["how"].as_str().unwrap().ends_with(&format!("as do decode programs of batch {listed}")), "{name}: {choice}");
+            let plan = read_plan(&art).unwrap();
+            for p in plan.programs.iter().filter(|p| !p.is_draft()) {
+                let kiln_runtime::plan::ProgramKind::Decode { batch } = p.kind else { continue };
+                let gathers = p.steps.iter().filter(|s| matches!(s.op, kiln_runtime::plan::Op::AllGather { .. })).count();
+                let whole = batches.contains(&(batch as u32));
+                assert_eq!(gathers, if whole { 1 + 78 } else { 1 + 2 * 78 }, "{}", p.name);
+            }
+        }
     }
     let g = &j["per_gpu"];
     let by_kind: u64 = g["weight_bytes_by_kind"].as_array().unwrap().iter().map(|k| k["bytes"].as_u64().unwrap()).sum();

@@ -164,16 +164,18 @@ fn same_bits_both_ways(replicated: &Path, other: &Path, ids: &[u32], what: &str)
 /// all`: q_a, kv_a and the indexer's; the tiny model is too small for `auto` to split any) moves
 /// no arithmetic: each output is the same dot product, the gather a copy. So the bits equal the
 /// replicated plan's, at F32 and with the GPU's BF16 buffers and FP4 activations, prefill and
-/// decode, at TP 2 and 8. So do prefill programs computing them whole from copies
-/// (`--prefill-copies all`), whose only gather is then the logits'; decode keeps the split.
+/// decode, at TP 2 and 8. So do programs computing them whole from copies (`--prefill-copies
+/// all`), whose only gather is then the logits': prefill, and decode, since the tiny model's
+/// weights of a few KiB take less time than any gather (8 µs).
 #[test]
 fn split_projections_give_the_replicated_bits() {
     use kiln_runtime::plan::{read_plan, Op, ProgramKind};
     let ids = prompt(40, 4);
+    // the most any program of the kind gathers
     let gathers = |art: &Path, prefill: bool| {
         let plan = read_plan(art).unwrap();
-        let p = plan.programs.iter().find(|p| matches!(p.kind, ProgramKind::Prefill { .. }) == prefill).unwrap();
-        p.steps.iter().filter(|s| matches!(s.op, Op::AllGather { .. })).count()
+        let programs = plan.programs.iter().filter(|p| matches!(p.kind, ProgramKind::Prefill { .. }) == prefill);
+        programs.map(|p| p.steps.iter().filter(|s| matches!(s.op, Op::AllGather { .. })).count()).max().unwrap()
     };
     for tp in ["2", "8"] {
         let whole = plan(&format!("tp{tp}"), &["--tp", tp]);
@@ -190,7 +192,9 @@ fn split_projections_give_the_replicated_bits() {
         }
         assert!(gathers(&split, true) > 1, "TP {tp}: the split plan's prefill gathers its projections");
         assert_eq!(gathers(&copied, true), 1, "TP {tp}: prefill with copies gathers only the logits");
-        assert_eq!(gathers(&copied, false), gathers(&split, false), "TP {tp}: decode keeps the split");
+        assert!(gathers(&split, false) > 1, "TP {tp}: the split plan's decode gathers its projections");
+        assert_eq!(gathers(&copied, false), 1, "TP {tp}: decode with copies gathers only the logits");
+        assert!(text.contains("as do decode programs of batch"), "TP {tp}: {text}");
         same_bits_both_ways(&whole, &copied, &ids, &format!("TP {tp}, split projections with prefill copies"));
     }
 }

@@ -144,24 +144,25 @@ pub fn compile(ckpt_dir: &std::path::Path, opts: &CompileOptions) -> Result<Comp
     let parallel = Parallelism { tp: opts.tp, moe: opts.moe };
     // a CPU plan splits what the product target would (the bits are the same either way)
     let consts = kiln_runtime::perf::Constants::for_target(&target).map_or(kiln_runtime::perf::Constants::SM120A, |(k, _)| k);
-    let max_batch = opts.decode_batches.iter().copied().max().unwrap_or(1);
+    let mut batches = opts.decode_batches.clone();
+    batches.sort_unstable();
+    batches.dedup();
     let chunk = opts.prefill_chunk.min(max_context);
-    let split = shard::SplitPolicy { projections: opts.split_projections, copies: opts.prefill_copies, consts, max_batch, prefill_chunk: chunk };
+    let split = shard::SplitPolicy { projections: opts.split_projections, copies: opts.prefill_copies, consts, decode_batches: batches.clone(), prefill_chunk: chunk };
     let sharded = shard::shard(graph, &cfg, &parallel, &split)?;
     let pages_per_seq = max_context.div_ceil(memory::KV_PAGE_SIZE);
     let probe = specialize::Bucket { kind: kiln_runtime::plan::ProgramKind::Decode { batch: 1 }, tokens: 1, seqs: 1, logit_rows: 1, pages_per_seq, draft: false };
     let mut slots = sharded.slots;
     verify::program("shard", &specialize::specialize(&sharded.graph, &probe), &slots, &cfg, opts.tp)?;
 
-    let mut batches = opts.decode_batches.clone();
-    batches.sort_unstable();
-    batches.dedup();
     let chunks = prefill_buckets(chunk);
     let draft = sharded.graph.draft.is_some();
     let buckets = specialize::buckets(&chunks, &batches, cfg.vocab_size, pages_per_seq, draft);
-    // prefill programs run the steps with the whole copies where there are any
-    let graph_for = |b: &specialize::Bucket| match (&b.kind, &sharded.prefill_graph) {
+    // prefill programs run the steps with the whole copies where there are any, and so do the
+    // decode batches the model prices lower with them (draft programs have no copies)
+    let graph_for = |b: &specialize::Bucket| match (&b.kind, &sharded.whole_graph) {
         (kiln_runtime::plan::ProgramKind::Prefill { .. }, Some(g)) => g,
+        (kiln_runtime::plan::ProgramKind::Decode { batch }, Some(g)) if !b.draft && sharded.whole_decode_batches.contains(batch) => g,
         _ => &sharded.graph,
     };
     let mut programs: Vec<_> = buckets.iter().map(|b| specialize::specialize(graph_for(b), b)).collect();

@@ -33,11 +33,12 @@ pub struct Args {
     #[arg(long, default_value = "auto", value_parser = ["auto", "all", "none"])]
     split_projections: String,
     /// Split projections that also keep a whole copy on every GPU for prefill: prefill programs
-    /// compute them whole from it instead of all-gathering a chunk's outputs over NCCL, while
-    /// decode keeps the split. auto: where, at the largest prefill chunk, the gather costs at
-    /// least 4x what computing the projection whole adds (a copy holds memory the KV cache would
-    /// otherwise have; GLM-5 at --tp 8: the indexer's wq_b, 1.2 GiB per GPU); all; none. Same
-    /// bits either way.
+    /// compute them whole from it instead of all-gathering a chunk's outputs over NCCL, and so do
+    /// the decode batches whose gathers the performance model prices above the rows a GPU lacks
+    /// (GLM-5 at --tp 8: batches 16 to 64); smaller batches keep the split. auto: where, at the
+    /// largest prefill chunk, the gather costs at least 4x what computing the projection whole
+    /// adds (a copy holds memory the KV cache would otherwise have; GLM-5 at --tp 8: the
+    /// indexer's wq_b, 1.2 GiB per GPU); all; none. Same bits either way.
     #[arg(long, default_value = "auto", value_parser = ["auto", "all", "none"])]
     prefill_copies: String,
     /// Prefill chunks whose DSA indexer selects across GPUs: GPU r takes tokens r, r + tp, ...

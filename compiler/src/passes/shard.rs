@@ -28,8 +28,10 @@ pub enum SplitProjections {
 }
 
 /// Which projections split by output rows also keep a whole copy on every rank that prefill
-/// programs compute from instead of gathering the ranks' shares (decode keeps the split, whose
-/// gather is cheap for one token's rows and whose weights it streams every step).
+/// programs compute from instead of gathering the ranks' shares. Decode programs compute them
+/// whole too at the batches where the gathers take longer than the rows a rank lacks (the
+/// copy is there anyway); at small batches they keep the split, whose gather is cheap for a
+/// few rows and whose weights they stream every step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefillCopies {
     /// Those whose gather costs the largest prefill chunk at least [`COPY_MARGIN`] times what
@@ -47,24 +49,32 @@ pub enum PrefillCopies {
 pub const COPY_MARGIN: f64 = 4.0;
 
 /// How [`shard`] decides [`SplitProjections`] and [`PrefillCopies`]: the policies, the model
-/// constants `Auto` uses, the largest decode batch (a shared gather must stay within the P2P
-/// kernel's limit there) and the largest prefill chunk (where a copy is priced).
-#[derive(Debug, Clone, Copy)]
+/// constants `Auto` uses, the decode batches (a shared gather must stay within the P2P kernel's
+/// limit at the largest; each decides whether it computes the copied projections whole) and
+/// the largest prefill chunk (where a copy is priced).
+#[derive(Debug, Clone)]
 pub struct SplitPolicy {
     pub projections: SplitProjections,
     pub copies: PrefillCopies,
     pub consts: Constants,
-    pub max_batch: usize,
+    pub decode_batches: Vec<usize>,
     pub prefill_chunk: usize,
 }
 
+impl SplitPolicy {
+    fn max_batch(&self) -> usize {
+        self.decode_batches.iter().copied().max().unwrap_or(1)
+    }
+}
+
 /// The graph with per-rank ops and values, plus the per-rank weight slots (offsets unassigned).
-/// `prefill_graph`: where split projections have whole copies, the graph prefill programs run
-/// (each such projection computed whole from its copy, its share of the gather gone); `None`
-/// where it is `graph`.
+/// `whole_graph`: where split projections have whole copies, the graph with each computed whole
+/// from its copy (its share of the gather gone), which prefill programs run and the decode
+/// programs of `whole_decode_batches`; `None` where there are no copies.
 pub struct Sharded {
     pub graph: Graph,
-    pub prefill_graph: Option<Graph>,
+    pub whole_graph: Option<Graph>,
+    pub whole_decode_batches: Vec<usize>,
     pub slots: Vec<WeightSlot>,
     pub choices: Vec<ShardChoice>,
 }
@@ -77,12 +87,12 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &Spl
         let draft = std::mem::take(&mut d.steps);
         graph.steps.extend(draft);
     }
-    let Splits { gathered, copies, choices: split_choices } = if tp > 1 { split_projections(&mut graph, tp, split, model_steps) } else { Splits::default() };
+    let Splits { gathered, copies, whole_decode_batches, choices: split_choices } = if tp > 1 { split_projections(&mut graph, tp, split, model_steps) } else { Splits::default() };
     let slots = graph.weights.iter().map(|w| slot_for(w, par)).collect::<Result<Vec<_>, _>>()?;
     let mut choices = choices(cfg, par, &graph, &slots);
     if tp == 1 {
         split_off_draft(&mut graph, model_steps);
-        return Ok(Sharded { graph, prefill_graph: None, slots, choices });
+        return Ok(Sharded { graph, whole_graph: None, whole_decode_batches: Vec::new(), slots, choices });
     }
     choices.extend(split_choices);
     let weights = graph.weights.clone();
@@ -211,9 +221,9 @@ pub fn shard(mut graph: Graph, cfg: &ModelConfig, par: &Parallelism, split: &Spl
     }
     graph.steps = steps;
     split_off_draft(&mut graph, draft_start.unwrap_or(usize::MAX));
-    // only prefill programs compute projections whole, and the draft has none
-    let prefill_graph = (!whole_ops.is_empty()).then(|| with_whole_projections(&graph, whole_ops));
-    Ok(Sharded { graph, prefill_graph, slots, choices })
+    // the draft has no copies
+    let whole_graph = (!whole_ops.is_empty()).then(|| with_whole_projections(&graph, whole_ops));
+    Ok(Sharded { graph, whole_graph, whole_decode_batches, slots, choices })
 }
 
 /// The lm_head output is vocab-split: gathers the columns of every rank (the Rows branch
@@ -282,13 +292,16 @@ fn matrices(lw: &LinearWeights) -> Vec<WeightId> {
 /// pays only for its share of the transfer. A projection split this way must gather in a P2P
 /// kernel (its share of a row whole 16-byte chunks), since NCCL's 25 µs would cost more than any
 /// of them saves. A split projection may also keep a whole copy for prefill ([`PrefillCopies`]),
-/// priced at the largest prefill chunk, whose gathers run on NCCL.
+/// priced at the largest prefill chunk, whose gathers run on NCCL; decode batches whose gathers
+/// cost more than computing the copied projections whole compute them whole too.
 fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy, prefill_steps: usize) -> Splits {
     let k = &split.consts;
     let mut steps: BTreeMap<usize, bool> = BTreeMap::new();
     let mut copies: BTreeMap<usize, BTreeMap<WeightId, WeightId>> = BTreeMap::new();
     // the open group: (its last step, its buffers, their bytes per token and rank)
     let mut group: Option<(usize, usize, usize)> = None;
+    // every group's members, for the decode batches' choice of the whole graph
+    let mut groups: Vec<Vec<Member>> = Vec::new();
     // per projection name: (layers, rows, whether split, the weight bytes of its copies, why)
     let mut seen: BTreeMap<String, (usize, usize, bool, Option<usize>, String)> = BTreeMap::new();
     for (index, step) in graph.steps.iter().enumerate() {
@@ -309,7 +322,7 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy, prefill_
         let divides = rows % tp == 0;
         let saved_us = bytes as f64 * (tp - 1) as f64 / tp as f64 / k.bytes_per_us();
         // joining the gather of the split linear just before: only this share's transfer
-        let joins = group.filter(|&(last, n, b)| last + 1 == index && n < P2P_GATHER_PAIRS && ((b + share) * split.max_batch) as u64 <= k.p2p_max_bytes);
+        let joins = group.filter(|&(last, n, b)| last + 1 == index && n < P2P_GATHER_PAIRS && ((b + share) * split.max_batch()) as u64 <= k.p2p_max_bytes);
         let transfer_us = (tp - 1) as f64 * share as f64 / (k.p2p_gbps * 1e3);
         let gather_us = match joins {
             Some(_) => Some(transfer_us),
@@ -348,7 +361,8 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy, prefill_
             LinearWeights::Bf16 { .. } => k.bf16_pflops,
             LinearWeights::Nvfp4 { .. } => k.fp4_pflops,
         } * 1e9;
-        let whole_extra_us = saved_us + (tp - 1) as f64 / tp as f64 * 2.0 * chunk * (rows * inputs) as f64 / flops_per_us;
+        let lacking_flops_us = (tp - 1) as f64 / tp as f64 * 2.0 * (rows * inputs) as f64 / flops_per_us;
+        let whole_extra_us = saved_us + chunk * lacking_flops_us;
         // (the draft's steps, after the model's, run in no prefill program)
         let copy = chosen
             && index < prefill_steps
@@ -380,6 +394,11 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy, prefill_
             for id in &ids {
                 graph.weights[id.0 as usize].role = ShardRole::Rows;
             }
+            let member = Member { share, whole: copy.then_some((saved_us, lacking_flops_us)) };
+            match (joins, groups.last_mut()) {
+                (Some(_), Some(g)) => g.push(member),
+                _ => groups.push(vec![member]),
+            }
             group = match joins {
                 Some((last, n, b)) => {
                     steps.insert(last, false);
@@ -398,6 +417,11 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy, prefill_
             })
             .or_insert((1, rows, chosen, copy.then_some(bytes), why));
     }
+    let whole_decode_batches: Vec<usize> = split.decode_batches.iter().copied().filter(|&b| whole_pays(&groups, b, tp, k)).collect();
+    let whole_decode = match whole_decode_batches.as_slice() {
+        [] => String::new(),
+        batches => format!(", as do decode programs of batch {}", batches.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(", ")),
+    };
     let choices = seen
         .into_iter()
         .map(|(name, (layers, rows, chosen, copy, why))| ShardChoice {
@@ -406,24 +430,61 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy, prefill_
                 (false, _) => "replicated".into(),
                 (true, None) => format!("split by output rows, {} of {rows} per rank, all-gathered after it", rows / tp),
                 (true, Some(bytes)) => format!(
-                    "split by output rows, {} of {rows} per rank, all-gathered after it at decode; prefill computes it whole from a copy on every rank ({} per rank)",
+                    "split by output rows, {} of {rows} per rank, all-gathered after it at decode; prefill computes it whole from a copy on every rank ({} per rank){whole_decode}",
                     rows / tp,
                     human_bytes(bytes as u64)
                 ),
             },
-            why,
+            why: if copy.is_some() && !whole_decode.is_empty() {
+                why + "; a decode batch computes the copied projections whole where their gathers would take longer than the rows a rank lacks"
+            } else {
+                why
+            },
         })
         .collect();
-    Splits { gathered: steps, copies, choices }
+    Splits { gathered: steps, copies, whole_decode_batches, choices }
+}
+
+/// A split projection in a gather group: its output bytes per token and rank and, where it has a
+/// whole copy, what computing it whole adds (the weight bytes a rank lacks, µs; their FLOPs, µs a
+/// token).
+struct Member {
+    share: usize,
+    whole: Option<(f64, f64)>,
+}
+
+/// Whether a decode step of `batch` rows is faster computing every copied projection whole: the
+/// gather time that saves (each group's gather less that of its members without copies, none if
+/// all have them; the P2P kernel where it takes the rows, NCCL otherwise) against the lacking
+/// rows' bytes and FLOPs.
+fn whole_pays(groups: &[Vec<Member>], batch: usize, tp: usize, k: &Constants) -> bool {
+    let gather_us = |shares: usize| match shares {
+        0 => 0.0,
+        s => {
+            let (nccl, p2p) = collective_time(false, false, (batch * s * tp) as f64, tp, k);
+            p2p.map_or(nccl, |p| p.min(nccl))
+        }
+    };
+    let mut saved = 0.0;
+    let mut extra = 0.0;
+    for g in groups.iter().filter(|g| g.iter().any(|m| m.whole.is_some())) {
+        let all: usize = g.iter().map(|m| m.share).sum();
+        let kept: usize = g.iter().filter(|m| m.whole.is_none()).map(|m| m.share).sum();
+        saved += gather_us(all) - gather_us(kept);
+        extra += g.iter().filter_map(|m| m.whole).map(|(bytes_us, flops_us)| bytes_us + batch as f64 * flops_us).sum::<f64>();
+    }
+    saved > extra
 }
 
 /// What [`split_projections`] decided: the split steps (true: the last of a group whose outputs
 /// share one all-gather after it), the whole copies of those prefill computes whole (step ->
-/// split weight -> its copy), and one choice per projection for `kiln inspect`.
+/// split weight -> its copy), the decode batches that compute them whole too, and one choice per
+/// projection for `kiln inspect`.
 #[derive(Default)]
 struct Splits {
     gathered: BTreeMap<usize, bool>,
     copies: BTreeMap<usize, BTreeMap<WeightId, WeightId>>,
+    whole_decode_batches: Vec<usize>,
     choices: Vec<ShardChoice>,
 }
 
@@ -587,7 +648,8 @@ fn choices(cfg: &ModelConfig, par: &Parallelism, graph: &Graph, slots: &[WeightS
 
 #[cfg(test)]
 mod tests {
-    use super::with_whole_projections;
+    use super::{whole_pays, with_whole_projections, Member};
+    use kiln_runtime::perf::Constants;
     use crate::graph::{Graph, GraphInputs, Value};
     use kiln_runtime::plan::{BufId, DType, Dim, Epilogue, GatherPair, KernelFamily, LinearPart, LinearWeights, Op, Step, WeightId};
 
@@ -631,5 +693,28 @@ mod tests {
         let g = with_whole_projections(&split_pair(), vec![(0, whole(2, 32, 3)), (1, whole(3, 16, 4))]);
         assert_eq!(g.steps.len(), 2, "no gather left: {:?}", g.steps);
         assert_eq!((g.steps[0].op.clone(), g.steps[1].op.clone()), (whole(2, 32, 3), whole(3, 16, 4)));
+    }
+
+    /// At 8 ranks under the sm_120a constants, by hand: a gather of a projection alone costs the
+    /// P2P kernel's 8 µs plus 7 x its rows' bytes / 50 GB/s, so computing it whole pays where
+    /// the lacking rows take less; sharing its gather with a projection without a copy, only its
+    /// transfer is saved (the other still gathers), 7 x batch x 144 B / 50 GB/s.
+    #[test]
+    fn a_decode_batch_computes_the_copies_whole_where_their_gathers_cost_more() {
+        let k = Constants::SM120A;
+        let alone = |extra_us: f64| vec![vec![Member { share: 1024, whole: Some((extra_us, 0.0)) }]];
+        let gather_64 = 8.0 + 7.0 * 64.0 * 1024.0 / 50e3;
+        assert!(whole_pays(&alone(gather_64 - 0.01), 64, 8, &k));
+        assert!(!whole_pays(&alone(gather_64 + 0.01), 64, 8, &k));
+        // its FLOPs grow with the batch: at 0.3 µs a row against the gather's 0.143, computing
+        // it whole pays at batch 1 (8.14 µs against 7.8), not at 64 (17.2 against 26.7)
+        let per_row = vec![vec![Member { share: 1024, whole: Some((7.5, 0.3)) }]];
+        assert!(whole_pays(&per_row, 1, 8, &k) && !whole_pays(&per_row, 64, 8, &k));
+        let shared = |extra_us: f64| vec![vec![Member { share: 512, whole: None }, Member { share: 144, whole: Some((extra_us, 0.0)) }]];
+        let transfer_32 = 7.0 * 32.0 * 144.0 / 50e3;
+        assert!(whole_pays(&shared(transfer_32 - 0.01), 32, 8, &k));
+        assert!(!whole_pays(&shared(transfer_32 + 0.01), 32, 8, &k));
+        // no copies: nothing to compute whole
+        assert!(!whole_pays(&[vec![Member { share: 1024, whole: None }]], 64, 8, &k));
     }
 }
