@@ -715,7 +715,9 @@ fn decode_projections_of_the_same_activations_are_one_launch() {
     // the shipped GLM-5 plan (tp 8): at decode, q_a, kv_a (this rank's rows), the indexer's wk
     // and head weights (of the normed hidden state) form one group, q_b and the indexer's wq_b
     // (of the normed q_a) another, each one launch of the BF16 GEMM with its members side by side
-    // (SEGS); prefill keeps them apart (its tiled GEMM has no segments). q_b's group carries
+    // (SEGS), wq_b from its whole copy at batches 16 to 64 (where the model prices that below
+    // the gather: `glm5_skeleton_tp8_matches_independent_weight_count_and_public_kv_capacity`);
+    // prefill keeps them apart (its tiled GEMM has no segments). q_b's group carries
     // q_a's norm, and the first layer's q_a group its input norm (later layers' input norms are
     // the all-reduce's before them): a launch of its own before the group's, or, where the model
     // prices it lower, inside it (NORM): both at batch 1, neither from batch 4 (every block of
@@ -736,8 +738,12 @@ fn decode_projections_of_the_same_activations_are_one_launch() {
             let step = kiln_runtime::plan::Step { op: step.op.clone(), kernel: step.kernel, launches };
             let names: Vec<String> = members.iter().map(|g| slot(g.weight)).collect();
             let ends: Vec<&str> = names.iter().map(|n| n.rsplit_once(".self_attn.").map_or(n.as_str(), |(_, e)| e)).collect();
+            let wq_b = match p.kind {
+                ProgramKind::Decode { batch } if batch >= 16 => "indexer.wq_b.weight.whole",
+                _ => "indexer.wq_b.weight",
+            };
             assert!(
-                ends == ["q_a_proj.weight", "kv_a_proj_with_mqa.weight", "indexer.wk.weight", "indexer.weights_proj.weight"] || ends == ["q_b_proj.weight", "indexer.wq_b.weight"],
+                ends == ["q_a_proj.weight", "kv_a_proj_with_mqa.weight", "indexer.wk.weight", "indexer.weights_proj.weight"] || ends == ["q_b_proj.weight", wq_b],
                 "{} step {s}: group {names:?}", p.name
             );
             let normed = ends[0] == "q_b_proj.weight" || names[0].starts_with("layers.0.");

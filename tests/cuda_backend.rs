@@ -98,10 +98,11 @@ fn cuda_equals_the_emulator_bit_for_bit_at_tp1_and_tp2_prefill_and_decode() {
     let ids = ids.as_str();
     for tp in [1, 2] {
         let art = dir.join(format!("tp{tp}"));
-        // every replicated projection split behind an all-gather, and the prefill's indexer
+        // every replicated projection split behind an all-gather (no whole copies, which the
+        // tiny model's prefill and decode would compute from instead), and the prefill's indexer
         // lists selected across the ranks and gathered: at TP 2 both backends run the P2P
         // gather kernel too
-        let flags = ["--prefill-chunk", "32", "--decode-batches", "1,2", "--max-context", "64", "--split-projections", "all", "--sequence-parallel-indexer", "always"];
+        let flags = ["--prefill-chunk", "32", "--decode-batches", "1,2", "--max-context", "64", "--split-projections", "all", "--prefill-copies", "none", "--sequence-parallel-indexer", "always"];
         compile(&golden_ckpt(), tp, &flags, &art);
         for decode in [false, true] {
             let (cuda, log) = logits(&art, "cuda", ids, decode, &dir.join(format!("cuda{tp}{decode}.safetensors")));
@@ -142,9 +143,10 @@ fn p2p_collectives_only_where_the_peers_pass_the_probe() {
     let dir = scratch("p2p");
     let art = dir.join("tp2");
     let flags = ["--prefill-chunk", "32", "--decode-batches", "1", "--max-context", "64"];
-    // the split plan's prefill also selects its indexer lists across the ranks (gathered I32
-    // lists: P2P or NCCL), the replicated one's on every rank
-    compile(&golden_ckpt(), 2, &[&flags[..], &["--split-projections", "all", "--sequence-parallel-indexer", "always"]].concat(), &art);
+    // the split plan gathers its projections at decode and prefill (no whole copies, which the
+    // tiny model would compute from instead) and selects its prefill's indexer lists across the
+    // ranks (gathered I32 lists: P2P or NCCL), the replicated one on every rank
+    compile(&golden_ckpt(), 2, &[&flags[..], &["--split-projections", "all", "--prefill-copies", "none", "--sequence-parallel-indexer", "always"]].concat(), &art);
     let replicated = dir.join("tp2-replicated");
     compile(&golden_ckpt(), 2, &[&flags[..], &["--split-projections", "none", "--sequence-parallel-indexer", "never"]].concat(), &replicated);
     let ids = "5,42,7,300,12,9";
