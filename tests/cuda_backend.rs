@@ -98,11 +98,12 @@ fn cuda_equals_the_emulator_bit_for_bit_at_tp1_and_tp2_prefill_and_decode() {
     let ids = ids.as_str();
     for tp in [1, 2] {
         let art = dir.join(format!("tp{tp}"));
-        // every replicated projection split behind an all-gather (no whole copies, which the
-        // tiny model's prefill and decode would compute from instead), and the prefill's indexer
-        // lists selected across the ranks and gathered: at TP 2 both backends run the P2P
-        // gather kernel too
-        let flags = ["--prefill-chunk", "32", "--decode-batches", "1,2", "--max-context", "64", "--split-projections", "all", "--prefill-copies", "none", "--sequence-parallel-indexer", "always"];
+        // every replicated projection split, each with a whole copy that the tiny model's prefill
+        // and decode compute from (its gathers cost more than its few KiB of weights; the
+        // gathers themselves: `p2p_collectives_only_where_the_peers_pass_the_probe`), and the
+        // prefill's indexer lists selected across the ranks and gathered: at TP 2 both backends
+        // run the P2P gather kernel too
+        let flags = ["--prefill-chunk", "32", "--decode-batches", "1,2", "--max-context", "64", "--split-projections", "all", "--sequence-parallel-indexer", "always"];
         compile(&golden_ckpt(), tp, &flags, &art);
         for decode in [false, true] {
             let (cuda, log) = logits(&art, "cuda", ids, decode, &dir.join(format!("cuda{tp}{decode}.safetensors")));

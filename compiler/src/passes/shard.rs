@@ -417,10 +417,13 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy, prefill_
             })
             .or_insert((1, rows, chosen, copy.then_some(bytes), why));
     }
-    let whole_decode_batches: Vec<usize> = split.decode_batches.iter().copied().filter(|&b| whole_pays(&groups, b, tp, k)).collect();
-    let whole_decode = match whole_decode_batches.as_slice() {
-        [] => String::new(),
-        batches => format!(", as do decode programs of batch {}", batches.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(", ")),
+    let (whole_decode_batches, split_decode_batches): (Vec<usize>, Vec<usize>) = split.decode_batches.iter().partition(|&&b| whole_pays(&groups, b, tp, k));
+    let list = |batches: &[usize]| batches.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(", ");
+    // where a copied projection is gathered, and which decode programs compute it whole too
+    let (gathered_at, whole_decode) = match (whole_decode_batches.as_slice(), split_decode_batches.as_slice()) {
+        ([], _) => ("at decode".to_string(), String::new()),
+        (whole, []) => ("in no program".to_string(), format!(", as do decode programs of batch {}", list(whole))),
+        (whole, split) => (format!("at decode batch {}", list(split)), format!(", as do decode programs of batch {}", list(whole))),
     };
     let choices = seen
         .into_iter()
@@ -430,7 +433,7 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy, prefill_
                 (false, _) => "replicated".into(),
                 (true, None) => format!("split by output rows, {} of {rows} per rank, all-gathered after it", rows / tp),
                 (true, Some(bytes)) => format!(
-                    "split by output rows, {} of {rows} per rank, all-gathered after it at decode; prefill computes it whole from a copy on every rank ({} per rank){whole_decode}",
+                    "split by output rows, {} of {rows} per rank, all-gathered after it {gathered_at}; prefill computes it whole from a copy on every rank ({} per rank){whole_decode}",
                     rows / tp,
                     human_bytes(bytes as u64)
                 ),
