@@ -291,6 +291,39 @@ fn the_trained_mtp_layer_drafts_what_the_model_writes() {
     }
 }
 
+/// A plan that splits the replicated projections (`--split-projections all`) keeps whole copies
+/// that its prefill and, the demo's weights being a few hundred KiB, every decode program compute
+/// from, while the draft layer, which has no copies, gathers its shares in the draft programs:
+/// `kiln inspect` says so, the programs' gathers say so, and `kiln run --speculative-draft 3`
+/// writes the replicated plan's reply with the same drafts accepted.
+#[test]
+fn split_projections_with_copies_draft_as_the_replicated_plan() {
+    use kiln_runtime::plan::{read_plan, Op, ProgramKind};
+    let split = compile_with("mtp-split", "cpu", 2, &["--draft", "mtp", "--split-projections", "all"]);
+    let replicated = compile_with("mtp-replicated", "cpu", 2, &["--draft", "mtp", "--split-projections", "none"]);
+    let o = kiln().arg("inspect").arg(&split).output().unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    let wq_b = text.lines().find(|l| l.contains("indexer.wq_b")).unwrap_or_else(|| panic!("{text}"));
+    assert!(wq_b.contains("all-gathered after it in the draft programs only; prefill computes it whole from a copy") && wq_b.contains("as do decode programs of batch 1, 2, 4, 8, 16"), "{wq_b}");
+    let plan = read_plan(&split).unwrap();
+    for p in &plan.programs {
+        let gathers = p.steps.iter().filter(|s| matches!(s.op, Op::AllGather { .. })).count();
+        match p.kind {
+            // the logits', and the draft layer's projections
+            ProgramKind::Decode { .. } if p.is_draft() => assert!(gathers > 1, "{}", p.name),
+            _ => assert_eq!(gathers, 1, "{}: only the logits", p.name),
+        }
+    }
+    let reply = |art: &Path| {
+        let o = kiln().arg("run").arg(art).args(["--chat", "--prompt", "What is 13+25?", "--max-tokens", "60", "--speculative-draft", "3"]).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "kiln run failed:\n{err}");
+        let report = err.lines().find(|l| l.starts_with("[speculative decoding: ")).map(str::to_string);
+        (String::from_utf8_lossy(&o.stdout).into_owned(), report.expect("the speculation report"))
+    };
+    assert_eq!(reply(&split), reply(&replicated));
+}
+
 fn mtp_drafts(mode: &str) {
     let art = compile_with(mode, "cpu", 2, &["--draft", mode]);
     let reply = |question: &str, sampling: &[&str], draft: bool| {

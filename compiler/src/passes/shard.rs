@@ -302,8 +302,9 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy, prefill_
     let mut group: Option<(usize, usize, usize)> = None;
     // every group's members, for the decode batches' choice of the whole graph
     let mut groups: Vec<Vec<Member>> = Vec::new();
-    // per projection name: (layers, rows, whether split, the weight bytes of its copies, why)
-    let mut seen: BTreeMap<String, (usize, usize, bool, Option<usize>, String)> = BTreeMap::new();
+    // per projection name: (layers, rows, whether split, the weight bytes of its copies, why,
+    // whether the draft's layer has one too: it gathers in the draft programs)
+    let mut seen: BTreeMap<String, (usize, usize, bool, Option<usize>, String, bool)> = BTreeMap::new();
     for (index, step) in graph.steps.iter().enumerate() {
         let Op::Linear { weights, parts, out, k: inputs, .. } = &step.op else { continue };
         let ids = matrices(weights);
@@ -410,31 +411,41 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy, prefill_
         }
         let name = projection_name(&graph.weights[ids[0].0 as usize].name);
         let why = if chosen { why + &copy_why } else { why };
+        let draft = index >= prefill_steps;
         seen.entry(name)
             .and_modify(|e| {
                 e.0 += 1;
                 e.3 = e.3.map(|b| b + if copy { bytes } else { 0 });
+                e.5 |= draft;
             })
-            .or_insert((1, rows, chosen, copy.then_some(bytes), why));
+            .or_insert((1, rows, chosen, copy.then_some(bytes), why, draft));
     }
     let (whole_decode_batches, split_decode_batches): (Vec<usize>, Vec<usize>) = split.decode_batches.iter().partition(|&&b| whole_pays(&groups, b, tp, k));
     let list = |batches: &[usize]| batches.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(", ");
-    // where a copied projection is gathered, and which decode programs compute it whole too
-    let (gathered_at, whole_decode) = match (whole_decode_batches.as_slice(), split_decode_batches.as_slice()) {
-        ([], _) => ("at decode".to_string(), String::new()),
-        (whole, []) => ("in no program".to_string(), format!(", as do decode programs of batch {}", list(whole))),
-        (whole, split) => (format!("at decode batch {}", list(split)), format!(", as do decode programs of batch {}", list(whole))),
+    // where a copied projection is gathered (the draft's layer, which has no copy, in the draft
+    // programs), and which decode programs compute it whole too
+    let gathered_at = |draft: bool| match (whole_decode_batches.as_slice(), split_decode_batches.as_slice(), draft) {
+        ([], ..) => "at decode".to_string(),
+        (_, [], false) => "in no program".to_string(),
+        (_, [], true) => "in the draft programs only".to_string(),
+        (_, split, false) => format!("at decode batch {}", list(split)),
+        (_, split, true) => format!("at decode batch {} and in the draft programs", list(split)),
+    };
+    let whole_decode = match whole_decode_batches.as_slice() {
+        [] => String::new(),
+        whole => format!(", as do decode programs of batch {}", list(whole)),
     };
     let choices = seen
         .into_iter()
-        .map(|(name, (layers, rows, chosen, copy, why))| ShardChoice {
+        .map(|(name, (layers, rows, chosen, copy, why, draft))| ShardChoice {
             what: format!("{name} ({layers} layers)"),
             how: match (chosen, copy) {
                 (false, _) => "replicated".into(),
                 (true, None) => format!("split by output rows, {} of {rows} per rank, all-gathered after it", rows / tp),
                 (true, Some(bytes)) => format!(
-                    "split by output rows, {} of {rows} per rank, all-gathered after it {gathered_at}; prefill computes it whole from a copy on every rank ({} per rank){whole_decode}",
+                    "split by output rows, {} of {rows} per rank, all-gathered after it {}; prefill computes it whole from a copy on every rank ({} per rank){whole_decode}",
                     rows / tp,
+                    gathered_at(draft),
                     human_bytes(bytes as u64)
                 ),
             },
