@@ -298,10 +298,9 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy, prefill_
     let k = &split.consts;
     let mut steps: BTreeMap<usize, bool> = BTreeMap::new();
     let mut copies: BTreeMap<usize, BTreeMap<WeightId, WeightId>> = BTreeMap::new();
-    // the open group: (its last step, its buffers, their bytes per token and rank)
-    let mut group: Option<(usize, usize, usize)> = None;
-    // every group's members, for the decode batches' choice of the whole graph
+    // every gather group's members (the last one open while `open` is its last step)
     let mut groups: Vec<Vec<Member>> = Vec::new();
+    let mut open: Option<usize> = None;
     // per projection name: (layers, rows, whether split, the weight bytes of its copies, why,
     // whether the draft's layer has one too: it gathers in the draft programs)
     let mut seen: BTreeMap<String, (usize, usize, bool, Option<usize>, String, bool)> = BTreeMap::new();
@@ -323,7 +322,11 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy, prefill_
         let divides = rows % tp == 0;
         let saved_us = bytes as f64 * (tp - 1) as f64 / tp as f64 / k.bytes_per_us();
         // joining the gather of the split linear just before: only this share's transfer
-        let joins = group.filter(|&(last, n, b)| last + 1 == index && n < P2P_GATHER_PAIRS && ((b + share) * split.max_batch()) as u64 <= k.p2p_max_bytes);
+        let joins = open.filter(|&last| {
+            let members = groups.last().map_or(&[][..], Vec::as_slice);
+            let bytes: usize = members.iter().map(|m| m.share).sum();
+            last + 1 == index && members.len() < P2P_GATHER_PAIRS && ((bytes + share) * split.max_batch()) as u64 <= k.p2p_max_bytes
+        });
         let transfer_us = (tp - 1) as f64 * share as f64 / (k.p2p_gbps * 1e3);
         let gather_us = match joins {
             Some(_) => Some(transfer_us),
@@ -352,10 +355,7 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy, prefill_
         let chunk_bytes = chunk * (share * tp) as f64;
         let chunk_gather_us = match joins {
             Some(_) => chunk_bytes / (k.nccl_gbps * 1e3),
-            None => {
-                let (nccl, p2p) = collective_time(false, false, chunk_bytes, tp, k);
-                p2p.map_or(nccl, |p| p.min(nccl))
-            }
+            None => gather_time(chunk_bytes, tp, k),
         };
         // the lacking rows' weight bytes are the ones the split saves at decode
         let flops_per_us = match weights {
@@ -397,16 +397,13 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy, prefill_
             }
             let member = Member { share, whole: copy.then_some((saved_us, lacking_flops_us)) };
             match (joins, groups.last_mut()) {
-                (Some(_), Some(g)) => g.push(member),
+                (Some(last), Some(g)) => {
+                    steps.insert(last, false);
+                    g.push(member);
+                }
                 _ => groups.push(vec![member]),
             }
-            group = match joins {
-                Some((last, n, b)) => {
-                    steps.insert(last, false);
-                    Some((index, n + 1, b + share))
-                }
-                None => Some((index, 1, share)),
-            };
+            open = Some(index);
             steps.insert(index, true);
         }
         let name = projection_name(&graph.weights[ids[0].0 as usize].name);
@@ -459,6 +456,12 @@ fn split_projections(graph: &mut Graph, tp: usize, split: &SplitPolicy, prefill_
     Splits { gathered: steps, copies, whole_decode_batches, choices }
 }
 
+/// An all-gather of `bytes` in all: the P2P kernel where it takes them and is faster, else NCCL.
+fn gather_time(bytes: f64, tp: usize, k: &Constants) -> f64 {
+    let (nccl, p2p) = collective_time(false, false, bytes, tp, k);
+    p2p.map_or(nccl, |p| p.min(nccl))
+}
+
 /// A split projection in a gather group: its output bytes per token and rank and, where it has a
 /// whole copy, what computing it whole adds (the weight bytes a rank lacks, µs; their FLOPs, µs a
 /// token).
@@ -472,13 +475,7 @@ struct Member {
 /// all have them; the P2P kernel where it takes the rows, NCCL otherwise) against the lacking
 /// rows' bytes and FLOPs.
 fn whole_pays(groups: &[Vec<Member>], batch: usize, tp: usize, k: &Constants) -> bool {
-    let gather_us = |shares: usize| match shares {
-        0 => 0.0,
-        s => {
-            let (nccl, p2p) = collective_time(false, false, (batch * s * tp) as f64, tp, k);
-            p2p.map_or(nccl, |p| p.min(nccl))
-        }
-    };
+    let gather_us = |shares: usize| if shares == 0 { 0.0 } else { gather_time((batch * shares * tp) as f64, tp, k) };
     let mut saved = 0.0;
     let mut extra = 0.0;
     for g in groups.iter().filter(|g| g.iter().any(|m| m.whole.is_some())) {
